@@ -1,0 +1,17 @@
+"""autoremat: choose which submodules of a PyTorch model to recompute in backward, apply it,
+and show what it saved.
+
+The pipeline is ``model -> tree -> plan -> wrapped model``::
+
+    tree = autoremat.build_tree(model, args, kwargs)   # the modules that ran, with their I/O
+    plan = autoremat.plan(model, args, kwargs, segments=3)
+    plan.apply(model)                                  # wraps plan.modules in place
+    autoremat.remove(model)                            # gives the original model back
+"""
+
+from autoremat.plan import Plan, plan
+from autoremat.tree import Node, TensorInfo, build_tree
+from autoremat.wrap import remove, wrapped_paths
+
+__all__ = ["Node", "Plan", "TensorInfo", "build_tree", "plan", "remove", "wrapped_paths"]
+__version__ = "0.1.0"

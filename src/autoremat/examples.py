@@ -1,0 +1,287 @@
+"""Built-in example models for the CLI, the demo, the tests and the benchmarks.
+
+Each factory returns ``(model, args, kwargs)``: a model in training mode with fixed random
+weights and example inputs for it, made without touching the global random state. The plain
+PyTorch ones need nothing but torch; the ``hf-*`` ones build Hugging Face ``transformers``
+architectures from small configs with random weights (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Example = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.attn_drop = nn.Dropout(dropout)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = self.attn_drop(att.masked_fill(~mask, float("-inf")).softmax(dim=-1))
+        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 4 * width)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads, dropout)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = MLP(width, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-2-shaped decoder in plain PyTorch: token and position embeddings, pre-norm blocks
+    of causal attention and MLP in an ``nn.ModuleList``, a final norm and a tied LM head.
+    ``forward(idx, targets=None)`` returns a dict with ``logits`` and, given targets, ``loss``."""
+
+    def __init__(
+        self,
+        vocab: int = 512,
+        width: int = 128,
+        layers: int = 4,
+        heads: int = 4,
+        context: int = 128,
+        dropout: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(context, width)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(Block(width, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        out = {"logits": logits}
+        if targets is not None:
+            out["loss"] = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return out
+
+
+def conv_bn(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()
+    )
+
+
+class ConvNet(nn.Module):
+    """A small VGG-style CNN: stages of conv-BatchNorm-ReLU pairs with pooling and dropout."""
+
+    def __init__(self, widths: tuple[int, ...] = (16, 32, 64), classes: int = 10) -> None:
+        super().__init__()
+        stages, cin = [], 3
+        for w in widths:
+            stages.append(nn.Sequential(conv_bn(cin, w), conv_bn(w, w), nn.MaxPool2d(2)))
+            cin = w
+        self.features = nn.Sequential(*stages)
+        self.head = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(cin, classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class UNet(nn.Module):
+    """A UNet-like encoder-decoder: skip connections carry encoder features to the decoder."""
+
+    def __init__(self, widths: tuple[int, ...] = (16, 32, 64), channels: int = 3) -> None:
+        super().__init__()
+        self.down = nn.ModuleList()
+        cin = channels
+        for w in widths:
+            self.down.append(nn.Sequential(conv_bn(cin, w), conv_bn(w, w)))
+            cin = w
+        self.pool = nn.MaxPool2d(2)
+        self.middle = nn.Sequential(conv_bn(cin, 2 * cin), nn.Dropout2d(0.1), conv_bn(2 * cin, cin))
+        self.up = nn.ModuleList()
+        for w in reversed(widths):
+            self.up.append(nn.Sequential(conv_bn(cin + w, w), conv_bn(w, w)))
+            cin = w
+        self.out = nn.Conv2d(cin, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for stage in self.down:
+            x = stage(x)
+            skips.append(x)
+            x = self.pool(x)
+        x = self.middle(x)
+        for stage, skip in zip(self.up, reversed(skips), strict=True):
+            x = F.interpolate(x, scale_factor=2.0)
+            x = stage(torch.cat([x, skip], dim=1))
+        return self.out(x)
+
+
+def _seeded(build: Callable[[], Example]) -> Callable[[], Example]:
+    def factory() -> Example:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model, args, kwargs = build()
+        return model.train(), args, kwargs
+
+    factory.__doc__ = build.__doc__
+    factory.__name__ = build.__name__
+    return factory
+
+
+@_seeded
+def gpt2() -> Example:
+    """GPT-2-like decoder (plain PyTorch): 4 blocks, width 128, batch 8 x 128 tokens."""
+    model = TinyGPT()
+    idx = torch.randint(0, 512, (8, 128))
+    return model, (idx,), {"targets": torch.roll(idx, -1, dims=1)}
+
+
+@_seeded
+def cnn() -> Example:
+    """VGG-style CNN with BatchNorm and dropout: 3 stages, batch 16 x 3 x 64 x 64."""
+    return ConvNet(), (torch.randn(16, 3, 64, 64),), {}
+
+
+@_seeded
+def unet() -> Example:
+    """UNet-like model with skip connections, BatchNorm and dropout: batch 4 x 3 x 64 x 64."""
+    return UNet(), (torch.randn(4, 3, 64, 64),), {}
+
+
+@_seeded
+def mlp() -> Example:
+    """Deep MLP chain (nn.Sequential of 16 Linear+GELU layers, width 512), batch 256."""
+    layers: list[nn.Module] = []
+    for _ in range(16):
+        layers += [nn.Linear(512, 512), nn.GELU()]
+    return nn.Sequential(*layers), (torch.randn(256, 512),), {}
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ValueError(
+            "the hf-* examples need Hugging Face transformers: pip install transformers"
+        ) from exc
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+@_seeded
+def hf_gpt2() -> Example:
+    """Hugging Face GPT2LMHeadModel, 4 layers, width 128, batch 4 x 128, labels given."""
+    t = _transformers()
+    config = t.GPT2Config(n_layer=4, n_embd=128, n_head=4, n_positions=256, vocab_size=1000)
+    ids = torch.randint(0, 1000, (4, 128))
+    return t.GPT2LMHeadModel(config), (), {"input_ids": ids, "labels": ids}
+
+
+@_seeded
+def hf_bert() -> Example:
+    """Hugging Face BertForSequenceClassification, 4 layers, width 128, batch 4 x 128."""
+    t = _transformers()
+    config = t.BertConfig(
+        num_hidden_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        intermediate_size=512,
+        vocab_size=1000,
+        max_position_embeddings=256,
+    )
+    ids = torch.randint(0, 1000, (4, 128))
+    kwargs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": torch.randint(0, 2, (4,)),
+    }
+    return t.BertForSequenceClassification(config), (), kwargs
+
+
+@_seeded
+def hf_llama() -> Example:
+    """Hugging Face LlamaForCausalLM, 4 layers, width 128, GQA 4/2 heads, batch 4 x 128."""
+    t = _transformers()
+    config = t.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=344,
+        vocab_size=1000,
+        max_position_embeddings=256,
+        attention_dropout=0.1,
+    )
+    ids = torch.randint(0, 1000, (4, 128))
+    return t.LlamaForCausalLM(config), (), {"input_ids": ids, "labels": ids}
+
+
+@_seeded
+def hf_vit() -> Example:
+    """Hugging Face ViTForImageClassification, 4 layers, width 128, 64x64 images, batch 8."""
+    t = _transformers()
+    config = t.ViTConfig(
+        num_hidden_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        intermediate_size=512,
+        image_size=64,
+        patch_size=8,
+        num_labels=10,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
+    kwargs = {"pixel_values": torch.randn(8, 3, 64, 64), "labels": torch.randint(0, 10, (8,))}
+    return t.ViTForImageClassification(config), (), kwargs
+
+
+EXAMPLES: dict[str, Callable[[], Example]] = {
+    "gpt2": gpt2,
+    "cnn": cnn,
+    "unet": unet,
+    "mlp": mlp,
+    "hf-gpt2": hf_gpt2,
+    "hf-bert": hf_bert,
+    "hf-llama": hf_llama,
+    "hf-vit": hf_vit,
+}

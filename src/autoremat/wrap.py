@@ -1,0 +1,294 @@
+"""Claim 4: wrap each chosen module so its activations are recomputed in backward.
+
+The wrapping follows the claim: a class that inherits ``torch.nn.Module`` (:class:`Checkpointed`)
+whose ``forward`` calls :func:`torch.utils.checkpoint.checkpoint` with a wrapper function that
+calls the split point's own ``forward``.
+
+To keep every name, ``state_dict`` key and hook of the user's model, the module is not moved into
+a wrapper object: its class is swapped for a subclass made of :class:`Checkpointed` and the
+module's own class (``CheckpointedLinear`` for a ``Linear``). The object, its parameters, buffers
+and place in the model stay the same; :func:`remove` swaps the original class back.
+
+What the wrapped ``forward`` guarantees beyond ``checkpoint`` itself:
+
+* non-reentrant checkpointing (the reentrant default trains nothing when no input requires
+  grad) with the RNG state replayed, so dropout draws the same mask in the recompute;
+* buffers the module wrote to in its forward (BatchNorm's ``running_mean``, ``running_var`` and
+  ``num_batches_tracked``) are put back after the recompute: they move once per step, as without
+  recompute (torch does not do this, pytorch#96136);
+* inputs the module's forward received are checked, when it is recomputed, for in-place changes
+  since the forward (a Hugging Face key/value cache filled by the forward, an input tensor
+  written to): the recompute would compute something else, so it raises a
+  :class:`~torch.utils.checkpoint.CheckpointError` that names the module and the input;
+* Hugging Face models (modules with a ``config.use_cache`` and a ``use_cache`` argument) are
+  called with ``use_cache=False`` while training with gradients enabled, as Hugging Face's own
+  gradient checkpointing does; a warning is logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointError, checkpoint
+
+logger = logging.getLogger("autoremat")
+
+_PATH_ATTR = "_autoremat_path"
+_cache_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+class Checkpointed(nn.Module):
+    """Mixin placed in front of a module's own class by :func:`apply` (claim 4).
+
+    ``forward`` runs the module's own ``forward`` through ``torch.utils.checkpoint.checkpoint``
+    when gradients are enabled, and directly otherwise (nothing would be stored for backward).
+    """
+
+    _autoremat_base: type[nn.Module]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        own_forward = type(self)._autoremat_base.forward
+        if not torch.is_grad_enabled():
+            return own_forward(self, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            return checkpoint(
+                functools.partial(own_forward, self), *args, use_reentrant=False, **kwargs
+            )
+        call = _Call(self)
+
+        def run_forward(*a: Any, **k: Any) -> Any:
+            """The wrapper function: the split point's own forward, guarded on recompute."""
+            if call.first:
+                return call.first_run(own_forward, a, k)
+            return call.recompute(own_forward, a, k)
+
+        return checkpoint(
+            run_forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+        )
+
+
+class _Call:
+    """One checkpointed call of a module: tells the forward from its recomputes."""
+
+    __slots__ = ("first", "module", "signature")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.first = True
+        self.signature: list[tuple[str, int, tuple[int, ...], int]] = []
+
+    def first_run(self, own_forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.first = False
+        self.signature = _state_signature(args, kwargs)
+        return own_forward(self.module, *args, **kwargs)
+
+    def recompute(self, own_forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        now = _state_signature(args, kwargs)
+        if now != self.signature:
+            raise CheckpointError(self._changed_message(now))
+        # Kernels such as batch_norm update running statistics without bumping the tensor's
+        # version counter, so compare values: put back every buffer the recompute changed.
+        saved = [(b, b.detach().clone()) for b in self.module.buffers() if b.device.type != "meta"]
+        try:
+            return own_forward(self.module, *args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    if not torch.equal(buffer, value):
+                        buffer.copy_(value)
+
+    def _changed_message(self, now: list[tuple[str, int, tuple[int, ...], int]]) -> str:
+        before = {entry[0]: entry for entry in self.signature}
+        after = {entry[0]: entry for entry in now}
+        changed = [w for w in sorted(before.keys() | after.keys()) if before.get(w) != after.get(w)]
+        path = self.module.__dict__.get(_PATH_ATTR, type(self.module).__name__)
+        return (
+            f"autoremat: module {path or '(root)'!r} is recomputed in backward, but its inputs "
+            f"were changed in place after its forward ran ({', '.join(changed[:3])}); the "
+            f"recompute would compute something else. Fix: do not change a recomputed module's "
+            f"inputs in place (for a Hugging Face model, call it with use_cache=False and no "
+            f"cache object), or leave {path or '(root)'!r} out of the plan."
+        )
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
+
+
+def _state_signature(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[str, int, tuple[int, ...], int]]:
+    """Identity, shape and version of every tensor reachable from the inputs, also inside
+    plain objects (a key/value cache), up to a small depth."""
+    return [
+        (where, id(t), tuple(t.shape), _version(t))
+        for where, t in _reachable_tensors((args, kwargs), "inputs", 4)
+    ]
+
+
+def _reachable_tensors(obj: Any, where: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+        return
+    if depth == 0 or isinstance(obj, (str, bytes, int, float, bool, type(None), nn.Module)):
+        return
+    if isinstance(obj, Mapping):
+        items: Any = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        items = vars(obj).items()
+        where = f"{where}<{type(obj).__name__}>"
+    else:
+        return
+    for key, value in items:
+        yield from _reachable_tensors(value, f"{where}[{key!r}]", depth - 1)
+
+
+@functools.cache
+def _checkpoint_class(base: type[nn.Module]) -> type[nn.Module]:
+    """``Checkpointed<Base>``: the class a wrapped module of class ``base`` takes."""
+    return type(
+        f"Checkpointed{base.__name__}",
+        (Checkpointed, base),
+        {"_autoremat_base": base, "__module__": __name__},
+    )
+
+
+def wrapped_paths(model: nn.Module) -> tuple[str, ...]:
+    """Paths of the modules of ``model`` that :func:`apply` wrapped, in ``named_modules`` order."""
+    return tuple(p for p, m in model.named_modules() if isinstance(m, Checkpointed))
+
+
+def apply(model: nn.Module, paths: Sequence[str]) -> nn.Module:
+    """Wrap the modules of ``model`` at ``paths`` (qualified names) in place; return ``model``.
+
+    Nothing is changed when the call raises. Applying the same paths to a model that already
+    has them wrapped is a no-op.
+
+    Raises:
+        ValueError: a path names no module of ``model`` (the message lists them), one path is
+            inside another (the recompute would nest), the model already has other modules
+            wrapped (call :func:`remove` first), or a module cannot be wrapped (a
+            ``torch.jit.ScriptModule``, or one whose ``forward`` was replaced on the instance).
+    """
+    modules = dict(model.named_modules())
+    missing = [p for p in paths if p not in modules]
+    if missing:
+        raise ValueError(
+            f"the plan names modules that {type(model).__name__} does not have: "
+            f"{', '.join(map(repr, missing[:5]))}{' ...' if len(missing) > 5 else ''}; "
+            f"make the plan from this model (autoremat.plan(model, ...))"
+        )
+    already = wrapped_paths(model)
+    if already:
+        if set(already) == set(paths):
+            return model
+        raise ValueError(
+            f"{type(model).__name__} already has {len(already)} wrapped modules from another "
+            f"plan; call autoremat.remove(model) before applying a new one"
+        )
+    chosen = sorted(set(paths))
+    for outer, inner in itertools.pairwise(chosen):
+        if outer == "" or inner.startswith(outer + "."):
+            raise ValueError(
+                f"module {inner!r} is inside {outer or '(root)'!r}: recomputes would nest; "
+                f"keep only one of them in the plan"
+            )
+    for p in chosen:
+        m = modules[p]
+        if isinstance(m, torch.jit.ScriptModule):
+            raise ValueError(f"module {p!r} is a TorchScript module and cannot be wrapped")
+        if "forward" in m.__dict__:
+            raise ValueError(
+                f"module {p!r} has its forward replaced on the instance (by a hook library?); "
+                f"autoremat cannot wrap it: leave it out of the plan"
+            )
+    for p in chosen:
+        m = modules[p]
+        m.__class__ = _checkpoint_class(type(m))
+        m.__dict__[_PATH_ATTR] = p
+    if chosen:
+        _disable_hf_cache_in_training(model)
+    return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply`: every wrapped module gets its own class back; return ``model``.
+
+    The module objects are the same ones throughout (wrapping never replaced them), so after
+    ``remove`` the model is the original one. A model that was never wrapped is returned
+    unchanged (a no-op, not an error).
+    """
+    for m in model.modules():
+        if isinstance(m, Checkpointed):
+            cls = type(m)
+            if "_autoremat_base" not in cls.__dict__:
+                raise ValueError(
+                    f"module {m.__dict__.get(_PATH_ATTR)!r} had its class changed again after "
+                    f"autoremat wrapped it ({cls.__name__}); undo that first"
+                )
+            m.__class__ = cls._autoremat_base
+            m.__dict__.pop(_PATH_ATTR, None)
+    for m in model.modules():
+        handle = _cache_hooks.pop(m, None)
+        if handle is not None:
+            handle.remove()
+    return model
+
+
+def _disable_hf_cache_in_training(model: nn.Module) -> None:
+    """Register a pre-hook on each Hugging Face-style model inside ``model`` (a module with
+    ``config.use_cache`` and a ``use_cache`` argument) that turns the cache off while training
+    with gradients: a recompute would update the cache a second time."""
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if m in _cache_hooks or not hasattr(config, "use_cache"):
+            continue
+        try:
+            params = list(inspect.signature(type(m).forward).parameters)
+        except (TypeError, ValueError):
+            continue
+        if "use_cache" not in params:
+            continue
+        index = params.index("use_cache") - 1  # without self
+        hook = functools.partial(_no_cache_pre_hook, index=index)
+        _cache_hooks[m] = m.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _no_cache_pre_hook(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, index: int
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    if not (module.training and torch.is_grad_enabled()):
+        return None
+    if index < len(args):
+        if args[index] is False:
+            return None
+        args = (*args[:index], False, *args[index + 1 :])
+    elif kwargs.get("use_cache") is False:
+        return None
+    else:
+        kwargs = {**kwargs, "use_cache": False}
+    _warn_once_cache(type(module).__name__)
+    return args, kwargs
+
+
+@functools.cache
+def _warn_once_cache(name: str) -> None:
+    logger.warning(
+        "autoremat: %s is called with use_cache=False while training: a key/value cache would be "
+        "updated again when wrapped modules are recomputed (Hugging Face's own gradient "
+        "checkpointing does the same)",
+        name,
+    )
