@@ -7,11 +7,31 @@ The pipeline is ``model -> tree -> plan -> wrapped model``::
     plan = autoremat.plan(model, args, kwargs, segments=3)
     plan.apply(model)                                  # wraps plan.modules in place
     autoremat.remove(model)                            # gives the original model back
+    autoremat.measure(model, args, kwargs)             # peak, saved, FLOPs, seconds of a step
+    autoremat.profile(model, args, kwargs)             # per-module costs on the tree
 """
 
+from autoremat.measure import Measurement, default_loss, measure
+from autoremat.memory import LiveMemory
 from autoremat.plan import Plan, plan
+from autoremat.profile import NodeCost, Profile, profile
 from autoremat.tree import Node, TensorInfo, build_tree
 from autoremat.wrap import remove, wrapped_paths
 
-__all__ = ["Node", "Plan", "TensorInfo", "build_tree", "plan", "remove", "wrapped_paths"]
+__all__ = [
+    "LiveMemory",
+    "Measurement",
+    "Node",
+    "NodeCost",
+    "Plan",
+    "Profile",
+    "TensorInfo",
+    "build_tree",
+    "default_loss",
+    "measure",
+    "plan",
+    "profile",
+    "remove",
+    "wrapped_paths",
+]
 __version__ = "0.1.0"

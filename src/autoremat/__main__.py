@@ -1,0 +1,7 @@
+"""``python -m autoremat``: the same as the ``autoremat`` command."""
+
+import sys
+
+from autoremat.cli import main
+
+sys.exit(main())

@@ -1,0 +1,57 @@
+"""Shared helpers: one training step, and comparisons of two models after it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from autoremat.examples import EXAMPLES
+from autoremat.tree import iter_tensors
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The output's loss if it has one, else a loss from every float tensor in it."""
+    if isinstance(output, dict) and output.get("loss") is not None:
+        return output["loss"]
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    floats = [t for _, t in iter_tensors(output) if t.is_floating_point()]
+    assert floats, "the output holds no floating-point tensor"
+    return sum(t.float().pow(2).mean() for t in floats)
+
+
+def train_step(model: nn.Module, args: tuple, kwargs: dict, seed: int = 1) -> torch.Tensor:
+    """Forward + backward from gradients None, with a fixed seed (dropout)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = loss_of(model(*args, **kwargs))
+    loss.backward()
+    return loss.detach()
+
+
+def assert_same_step(reference: nn.Module, wrapped: nn.Module, args: tuple, kwargs: dict) -> None:
+    """One step of each gives the same loss, gradients and buffers (tight tolerances)."""
+    loss_ref = train_step(reference, args, kwargs)
+    loss_new = train_step(wrapped, args, kwargs)
+    torch.testing.assert_close(loss_new, loss_ref, rtol=1e-6, atol=1e-7)
+    grads = 0
+    for (name, p), (name2, q) in zip(
+        reference.named_parameters(), wrapped.named_parameters(), strict=True
+    ):
+        assert name == name2
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            grads += 1
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
+    assert grads > 0, "no parameter received a gradient: the comparison would be vacuous"
+    for (name, b), (_, c) in zip(reference.named_buffers(), wrapped.named_buffers(), strict=True):
+        torch.testing.assert_close(c, b, rtol=0, atol=0, msg=name)
+
+
+@pytest.fixture(params=list(EXAMPLES))
+def example(request: pytest.FixtureRequest) -> tuple[str, nn.Module, tuple, dict]:
+    model, args, kwargs = EXAMPLES[request.param]()
+    return request.param, model, args, kwargs
