@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from autoremat.memory import LiveMemory
+from autoremat.memory import CudaMemory, LiveMemory
 from autoremat.snapshot import preserved
 from autoremat.tree import iter_tensors, run_model
 
@@ -170,7 +170,8 @@ def measure(
     ``loss = loss_fn(output)`` (:func:`default_loss` when ``loss_fn`` is None),
     ``loss.backward()``. It runs in the model's current mode (``train()``/``eval()``) with
     gradients enabled, once under :class:`~autoremat.memory.LiveMemory` (for ``peak`` and
-    ``saved``), once under ``FlopCounterMode`` (for ``flops``), then ``repeats`` times without
+    ``saved``; :class:`~autoremat.memory.CudaMemory`, the allocator's statistics, when the
+    model or inputs are on CUDA), once under ``FlopCounterMode`` (for ``flops``), then ``repeats`` times without
     either (for ``seconds``). Every run starts from the same global RNG state, so dropout draws
     the same masks in each, and from ``.grad = None`` also for input tensors that are leaves
     requiring grad. ``args`` may be a single tensor.
@@ -212,12 +213,14 @@ def measure(
     # Memory and FLOPs come from two runs: FlopCounterMode's module tracker keeps the autograd
     # nodes of checkpoint recomputes alive (their recomputed activations with them) until it
     # exits, which would inflate the peak of a checkpointed model.
-    with _restored(model, inputs), LiveMemory() as memory:
+    # On CUDA, the allocator's own statistics (what an out-of-memory error is about).
+    cuda = _uses_cuda(model, args, kwargs)
+    tracker: LiveMemory | CudaMemory = CudaMemory() if cuda else LiveMemory()
+    with _restored(model, inputs), tracker as memory:
         run(after_forward=lambda: memory.snapshot("forward"))
     with _restored(model, inputs), FlopCounterMode(display=False) as flops:
         run()
 
-    cuda = _uses_cuda(model, args, kwargs)
     times = []
     for _ in range(repeats):
         with _restored(model, inputs):
