@@ -171,10 +171,10 @@ def measure(
     ``loss.backward()``. It runs in the model's current mode (``train()``/``eval()``) with
     gradients enabled, once under :class:`~autoremat.memory.LiveMemory` (for ``peak`` and
     ``saved``; :class:`~autoremat.memory.CudaMemory`, the allocator's statistics, when the
-    model or inputs are on CUDA), once under ``FlopCounterMode`` (for ``flops``), then ``repeats`` times without
-    either (for ``seconds``). Every run starts from the same global RNG state, so dropout draws
-    the same masks in each, and from ``.grad = None`` also for input tensors that are leaves
-    requiring grad. ``args`` may be a single tensor.
+    model or inputs are on CUDA), once under ``FlopCounterMode`` (for ``flops``), then
+    ``repeats`` times without either (for ``seconds``). Every run starts from the same global
+    RNG state, so dropout draws the same masks in each, and from ``.grad = None`` also for
+    input tensors that are leaves requiring grad. ``args`` may be a single tensor.
 
     The model is left as found: buffers (BatchNorm statistics included), ``.grad`` of every
     parameter and of every leaf input that requires grad (the same tensor objects, or None),
