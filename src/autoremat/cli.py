@@ -74,7 +74,7 @@ def _step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed:
     torch.manual_seed(seed)
     loss = default_loss(model(*args, **kwargs))
     loss.backward()
-    return float(loss)
+    return float(loss.detach())
 
 
 def _max_diff(a: nn.Module, b: nn.Module) -> float:
@@ -95,9 +95,9 @@ def demo(target: str, segments: int) -> int:
     reference = copy.deepcopy(model)
     chosen = plan(model, args, kwargs, segments=segments)
     print(chosen)
-    before = measure(model, args, kwargs)
+    before = measure(model, args, kwargs, repeats=3)
     chosen.apply(model)
-    after = measure(model, args, kwargs)
+    after = measure(model, args, kwargs, repeats=3)
     loss_ref = _step(reference, args, kwargs, seed=1)
     loss_new = _step(model, args, kwargs, seed=1)
     diff = _max_diff(reference, model)
@@ -108,6 +108,7 @@ def demo(target: str, segments: int) -> int:
         ("step peak (MiB)", before.peak / mib, after.peak / mib, ""),
         ("saved for backward (MiB)", before.saved / mib, after.saved / mib, ""),
         ("FLOPs (G)", before.flops / 1e9, after.flops / 1e9, ""),
+        ("step time (ms)", before.seconds * 1e3, after.seconds * 1e3, ""),
     ]:
         print(f"{label:24}{x:>14.2f}{y:>14.2f}{y / x if x else float('nan'):>8.2f}{unit}")
     print()
@@ -132,6 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo.add_argument("target", nargs="?", default="gpt2")
     p_demo.add_argument("--segments", type=int, default=3)
     sub.add_parser("examples", help="list the built-in example models")
+    p_bench = sub.add_parser("bench", help="compare recompute strategies side by side")
+    p_bench.add_argument("target")
+    p_bench.add_argument("--repeats", type=int, default=3, help="timed steps per strategy")
+    p_bench.add_argument(
+        "--compile", action="store_true", help="also torch.compile at memory budgets (slow)"
+    )
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     try:
@@ -141,6 +148,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if ns.command == "demo":
             return demo(ns.target, ns.segments)
+        if ns.command == "bench":
+            from autoremat.bench import bench_target, to_markdown
+
+            model, args, kwargs = load_target(ns.target)
+            rows = bench_target(
+                model, args, kwargs, compile=ns.compile, repeats=ns.repeats, name=ns.target
+            )
+            print(to_markdown(rows))
+            return 0
         model, args, kwargs = load_target(ns.target)
         if ns.command == "tree":
             print(build_tree(model, args, kwargs))

@@ -86,6 +86,8 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(width)
         self.lm_head = nn.Linear(width, vocab, bias=False)
         self.lm_head.weight = self.wte.weight
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.wpe.weight, std=0.02)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
@@ -190,11 +192,11 @@ def unet() -> Example:
 
 @_seeded
 def mlp() -> Example:
-    """Deep MLP chain (nn.Sequential of 16 Linear+GELU layers, width 512), batch 256."""
+    """Deep MLP chain (nn.Sequential of 16 Linear+GELU layers, width 256), batch 2048."""
     layers: list[nn.Module] = []
     for _ in range(16):
-        layers += [nn.Linear(512, 512), nn.GELU()]
-    return nn.Sequential(*layers), (torch.randn(256, 512),), {}
+        layers += [nn.Linear(256, 256), nn.GELU()]
+    return nn.Sequential(*layers), (torch.randn(2048, 256),), {}
 
 
 def _transformers() -> Any:

@@ -20,6 +20,7 @@ construction. A shared module's costs, whichever parent called it, are counted a
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections import defaultdict
@@ -32,6 +33,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from autoremat.memory import LiveMemory
 from autoremat.snapshot import preserved
 from autoremat.tree import Node, build_tree, iter_tensors, run_model
 from autoremat.wrap import wrapped_paths
@@ -42,7 +44,19 @@ META_FLOPS_PER_SECOND = 1e11
 
 @dataclass(frozen=True)
 class NodeCost:
-    """Costs of one tree node, its subtree included (``own_*``: the node alone)."""
+    """Costs of one tree node, its subtree included (``own_*``: the node alone).
+
+    ``freeable`` is what recomputing the node would free: the bytes of storages saved for
+    backward only inside its subtree, other than its inputs, less the bytes of the inputs
+    nothing inside it saved (the checkpoint keeps every input until the node's backward,
+    longer than they would otherwise live). It can be negative.
+    ``start`` and ``end`` place the node in the step (see :class:`Profile`).
+    ``recompute_peak`` is the live bytes, in the step without recompute, when the node's
+    backward began, plus the most its forward ever held beyond what it left behind (the
+    temporaries a recompute adds at that moment); 0 when its backward never ran.
+    ``runs`` is set for a plain ``nn.Sequential``: ``(i, j, freeable, recompute_peak)`` for each
+    run ``[i:j)`` of two or more consecutive children, which can be recomputed as one.
+    """
 
     path: str
     saved: int
@@ -54,15 +68,31 @@ class NodeCost:
     output_bytes: int
     param_bytes: int
     calls: int
+    freeable: int = 0
+    start: int = 0
+    end: int = 0
+    recompute_peak: int = 0
+    runs: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
 class Profile:
-    """The tree of a model with a :class:`NodeCost` for every node (``profile[path]``)."""
+    """The tree of a model with a :class:`NodeCost` for every node (``profile[path]``).
+
+    The memory timeline of the step, for the budget planner: nodes are numbered ``0..n-1`` by
+    the time their (last) forward call ended, their ``end``; a node's ``start`` is how many
+    nodes had ended before its first call began. Each point ``(p, bytes)`` of ``points`` says
+    that ``bytes`` were live at some moment when the nodes numbered below ``p`` had ended
+    their forward and not yet begun their backward: recomputing any of those would have
+    lowered that moment by its ``freeable`` bytes. ``peak`` is the step's peak, as
+    :func:`autoremat.measure` defines it.
+    """
 
     tree: Node
     costs: dict[str, NodeCost]
     device: str
+    peak: int = 0
+    points: tuple[tuple[int, int], ...] = ()
 
     def __getitem__(self, path: str) -> NodeCost:
         return self.costs[path]
@@ -103,11 +133,12 @@ class _OpCosts(TorchDispatchMode):
         super().__init__()
         self.stack = stack
         self.flops = flops
+        self.counting = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
+        formula = flop_registry.get(func._overloadpacket) if self.counting else None
         if formula is not None:
             self.flops[self.stack[-1]] += formula(*args, **kwargs, out_val=out)
         return out
@@ -149,15 +180,19 @@ def profile(
 ) -> Profile:
     """Per-node costs of ``model`` on the example inputs (see the module docstring).
 
-    Runs the forward (and ``loss_fn`` on its output, if given; its costs go to the root) with
-    gradients enabled, twice on real tensors (costs, then timing) and once on ``meta``
-    tensors. The model is left as it was found (:func:`autoremat.snapshot.preserved`). Shows a
-    progress line on a terminal.
+    Runs one training step (forward, ``loss_fn`` on the output, backward; ``loss_fn`` defaults
+    to :func:`autoremat.measure.default_loss`, and its forward costs go to the root) from
+    gradients ``None``, under :class:`~autoremat.memory.LiveMemory`, then, on real tensors, one
+    more forward for timing. The model is left as it was found
+    (:func:`autoremat.snapshot.preserved`). Shows a progress line on a terminal.
 
     Raises:
-        ValueError: the model has modules wrapped by autoremat (remove them first).
+        ValueError: the model has modules wrapped by autoremat (remove them first), or the
+            loss is not a scalar that requires grad.
         RuntimeError: the example inputs fail in forward (the message names the module).
     """
+    from autoremat.measure import _leaf_inputs, _restored, _step, default_loss
+
     if wrapped_paths(model):
         raise ValueError(
             "profile needs the unwrapped model (a checkpointed module saves nothing to "
@@ -172,35 +207,76 @@ def profile(
     stack: list[str] = [""]
     own_saved: dict[str, int] = defaultdict(int)
     own_flops: dict[str, int] = defaultdict(int)
-    seen: set[int] = set()
+    savers: dict[int, tuple[int, set[str]]] = {}  # storage -> (bytes, innermost savers)
+    input_keys: dict[str, dict[int, int]] = defaultdict(dict)  # node -> {storage: bytes}
     progress = _Progress(sum(n.calls for n in tree.walk()))
+    memory = LiveMemory()
+    # (kind, path, peak since the previous event, live bytes now)
+    events: list[tuple[str, str, int, int]] = []
+    grad_hooks: list[Any] = []
+    costs_mode = _OpCosts(stack, own_flops)
+
+    def mark(kind: str, path: str) -> None:
+        events.append((kind, path, memory.peak, memory.current))
+        memory.reset_peak()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
-        if key not in seen and key not in preexisting:
-            seen.add(key)
+        if key in preexisting:
+            return t
+        if key not in savers:
+            savers[key] = (t.untyped_storage().nbytes(), set())
             own_saved[stack[-1]] += t.untyped_storage().nbytes()
+        savers[key][1].add(stack[-1])
         return t
 
-    def enter(path: str) -> None:
+    def enter(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any], path: str) -> None:
+        mark("start", path)
         stack.append(path)
+        input_keys[path].update(
+            (_storage_key(t), t.untyped_storage().nbytes())
+            for _, t in iter_tensors((a, kw))
+            if _storage_key(t) not in preexisting
+        )
 
-    def leave(path: str) -> None:
+    def leave(module: nn.Module, a: Any, kw: Any, out: Any, path: str) -> None:
         stack.pop()
+        mark("end", path)
         progress.step()
+        needs_grad = [t for _, t in iter_tensors(out) if t.requires_grad]
+        if needs_grad:
+            grad_hooks.append(
+                torch.autograd.graph.register_multi_grad_hook(
+                    needs_grad, lambda _g, p=path: mark("backward", p), mode="any"
+                )
+            )
 
-    handles = _hooks(modules, nodes, enter, leave)
+    def after_forward() -> None:
+        costs_mode.counting = False
+        mark("loss", "")
+
+    handles = []
+    for key, module in modules.items():
+        path = nodes[key]
+        handles.append(
+            module.register_forward_pre_hook(functools.partial(enter, path=path), with_kwargs=True)
+        )
+        handles.append(
+            module.register_forward_hook(functools.partial(leave, path=path), with_kwargs=True)
+        )
+    leaf_inputs = _leaf_inputs(args, kwargs)
     try:
-        with preserved(model), torch.enable_grad(), _OpCosts(stack, own_flops):
+        with _restored(model, leaf_inputs), memory, costs_mode:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = run_model(model, args, kwargs)
-                if loss_fn is not None:
-                    loss_fn(out)
-            del out
+                _step(model, args, kwargs, loss_fn or default_loss, leaf_inputs, after_forward)
+            mark("done", "")
     finally:
-        for h in handles:
+        for h in handles + grad_hooks:
             h.remove()
 
+    spans, points, recompute, event_spans, backward_now = _timeline(tree, events)
+    freeable = _freeable(tree, savers, input_keys)
+    runs = _runs(tree, savers, input_keys, events, event_spans, backward_now)
     own_seconds: dict[str, float] = defaultdict(float)
     if not meta:
         own_seconds = _time_forward(model, args, kwargs, modules, nodes)
@@ -222,13 +298,201 @@ def profile(
             output_bytes=node.output_bytes,
             param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
             calls=node.calls,
+            freeable=freeable[node.path],
+            start=spans[node.path][0],
+            end=spans[node.path][1],
+            recompute_peak=recompute.get(node.path, 0),
+            runs=runs.get(node.path, ()),
         )
         costs[node.path] = cost
         return cost
 
     total(tree)
     ordered = {n.path: costs[n.path] for n in tree.walk()}
-    return Profile(tree=tree, costs=ordered, device="meta" if meta else "real")
+    return Profile(
+        tree=tree,
+        costs=ordered,
+        device="meta" if meta else "real",
+        peak=max(v for _, v in points),
+        points=points,
+    )
+
+
+def _timeline(tree: Node, events: list[tuple[str, str, int, int]]) -> tuple[Any, ...]:
+    """Spans of the nodes, the memory points of the step, and each node's recompute peak
+    (see :class:`Profile` and :class:`NodeCost`).
+
+    Nodes are numbered by the time their last forward call ended (``end``); ``start`` is the
+    number of nodes that had ended before the node's first call began. A point ``(p, bytes)``
+    says that at some moment ``bytes`` were live while exactly the nodes numbered below ``p``
+    had ended their forward and not begun their backward.
+    """
+    last_end: dict[str, int] = {}
+    first_start: dict[str, int] = {}
+    transient: dict[str, int] = defaultdict(int)
+    calls: list[tuple[str, int]] = []
+    highest: list[int] = []  # the highest live bytes seen inside each open call
+    loss_at = next(i for i, e in enumerate(events) if e[0] == "loss")
+    for i, (kind, path, peak, now) in enumerate(events):
+        if highest:
+            highest[-1] = max(highest[-1], peak)
+        if kind == "end":
+            last_end[path] = i
+            calls.pop()
+            top = highest.pop()
+            transient[path] = max(transient[path], top - now)
+            if highest:
+                highest[-1] = max(highest[-1], top)
+        elif kind == "start":
+            first_start.setdefault(path, i)
+            calls.append((path, i))
+            highest.append(now)
+    order = sorted(last_end, key=last_end.__getitem__)
+    index = {path: k for k, path in enumerate(order)}
+    ended_before = [0] * (len(events) + 1)  # ended_before[i]: nodes whose last end is < i
+    ends = sorted(last_end.values())
+    j = 0
+    for i in range(len(events) + 1):
+        while j < len(ends) and ends[j] < i:
+            j += 1
+        ended_before[i] = j
+    spans = {
+        n.path: (ended_before[first_start[n.path]], index[n.path])
+        for n in tree.walk()
+        if n.path in last_end
+    }
+    peaks: dict[int, int] = {}
+    recompute: dict[str, int] = {}
+    backward_now: dict[str, int] = {}
+    started = [False] * len(order)
+    prefix = len(order)  # nodes 0..prefix-1 have all not begun their backward
+    for i, (kind, path, peak, now) in enumerate(events):
+        # the peak was reached in the interval that ends with event i
+        p = ended_before[i] if i <= loss_at else prefix
+        peaks[p] = max(peaks.get(p, 0), peak)
+        if kind == "backward" and path in index and not started[index[path]]:
+            started[index[path]] = True
+            prefix = min(prefix, index[path])
+            recompute[path] = now + transient[path]
+            backward_now[path] = now
+    event_spans = {path: (first_start[path], last_end[path]) for path in last_end}
+    return spans, tuple(sorted(peaks.items())), recompute, event_spans, backward_now
+
+
+def _freeable(
+    tree: Node, savers: dict[int, tuple[int, set[str]]], input_keys: dict[str, dict[int, int]]
+) -> dict[str, int]:
+    """Bytes each node's recompute would free (negative: would cost).
+
+    Freed: storages saved for backward only inside the node's subtree, other than its inputs.
+    Cost: its inputs that nothing inside the subtree saved. The checkpoint keeps every input
+    until the node's backward; such an input would otherwise have been freed sooner.
+    """
+    parent: dict[str, str | None] = {tree.path: None}
+    depth: dict[str, int] = {tree.path: 0}
+    for node in tree.walk():
+        for child in node.children:
+            parent[child.path] = node.path
+            depth[child.path] = depth[node.path] + 1
+
+    def inside(path: str, ancestor: str) -> bool:
+        return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
+
+    freeable: dict[str, int] = defaultdict(int)
+    for key, (size, who) in savers.items():
+        # the lowest common ancestor of the savers: the smallest subtree holding them all
+        paths = [p if p in parent else "" for p in who]
+        lca = paths[0]
+        for other in paths[1:]:
+            a, b = lca, other
+            while depth[a] > depth[b]:
+                a = parent[a]  # type: ignore[assignment]
+            while depth[b] > depth[a]:
+                b = parent[b]  # type: ignore[assignment]
+            while a != b:
+                a, b = parent[a], parent[b]  # type: ignore[assignment]
+            lca = a
+        node: str | None = lca
+        while node is not None:
+            if key not in input_keys[node]:
+                freeable[node] += size
+            node = parent[node]
+    for node in tree.walk():
+        for key, size in input_keys[node.path].items():
+            saved_inside = key in savers and any(inside(p, node.path) for p in savers[key][1])
+            if not saved_inside:
+                freeable[node.path] -= size
+    return freeable
+
+
+MAX_RUN = 64  # longest run of Sequential children considered as one recompute
+
+
+def _runs(
+    tree: Node,
+    savers: dict[int, tuple[int, set[str]]],
+    input_keys: dict[str, dict[int, int]],
+    events: list[tuple[str, str, int, int]],
+    event_spans: dict[str, tuple[int, int]],
+    backward_now: dict[str, int],
+) -> dict[str, tuple[tuple[int, int, int, int], ...]]:
+    """Costs of recomputing runs of consecutive children of each plain ``nn.Sequential``
+    (whose stock forward chains its children), as :func:`_freeable` does for one node."""
+    found: dict[str, tuple[tuple[int, int, int, int], ...]] = {}
+    for node in tree.walk():
+        module = node.module
+        kids = node.children
+        if (
+            type(module).forward is not nn.Sequential.forward
+            or len(kids) < 2
+            or [c.module for c in kids] != list(module)
+            or any(c.calls != 1 or c.path not in event_spans for c in kids)
+        ):
+            continue
+        prefix = f"{node.path}." if node.path else ""
+        index = {c.path: k for k, c in enumerate(kids)}
+
+        def child_of(
+            path: str, prefix: str = prefix, index: dict[str, int] = index, own: str = node.path
+        ) -> int:
+            if path == own or not path.startswith(prefix):
+                return -1
+            return index.get(prefix + path[len(prefix) :].split(".", 1)[0], -1)
+
+        n = len(kids)
+        # freed[i][j]: bytes freed by recomputing run [i:j)
+        gain = [[0] * (n + 1) for _ in range(n)]
+        for key, (size, who) in savers.items():
+            where = [child_of(p) for p in who]
+            if min(where) < 0:
+                continue
+            lo, hi = min(where), max(where)
+            for i in range(max(0, hi - MAX_RUN + 1), lo + 1):
+                if key not in input_keys[kids[i].path]:
+                    gain[i][hi + 1] += size
+        runs = []
+        for i in range(n):
+            # charge inputs of child i that no child in [i:j) saves, for every j
+            charges = [0] * (n + 1)
+            for key, size in input_keys[kids[i].path].items():
+                users = [child_of(p) for p in savers[key][1]] if key in savers else []
+                first = min([u for u in users if u >= i], default=n)
+                for j in range(i + 1, min(first + 1, n + 1)):
+                    charges[j] += size
+            start_event = event_spans[kids[i].path][0]
+            freed = 0
+            for j in range(i + 1, min(n, i + MAX_RUN) + 1):
+                freed += gain[i][j]
+                if j - i < 2:
+                    continue
+                last = kids[j - 1].path
+                end_event = event_spans[last][1]
+                high = max(e[2] for e in events[start_event + 1 : end_event + 1])
+                transient = max(0, high - events[end_event][3])
+                peak = backward_now[last] + transient if last in backward_now else 0
+                runs.append((i, j, freed - charges[j], peak))
+        found[node.path] = tuple(runs)
+    return found
 
 
 def _hooks(

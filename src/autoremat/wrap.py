@@ -31,6 +31,7 @@ import functools
 import inspect
 import itertools
 import logging
+import re
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -42,63 +43,111 @@ from torch.utils.checkpoint import CheckpointError, checkpoint
 logger = logging.getLogger("autoremat")
 
 _PATH_ATTR = "_autoremat_path"
+_RUNS_ATTR = "_autoremat_runs"
 _cache_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
-class Checkpointed(nn.Module):
+class Wrapped(nn.Module):
+    """Base of the two mixins :func:`apply` puts in front of a module's own class."""
+
+    _autoremat_base: type[nn.Module]
+
+
+class Checkpointed(Wrapped):
     """Mixin placed in front of a module's own class by :func:`apply` (claim 4).
 
     ``forward`` runs the module's own ``forward`` through ``torch.utils.checkpoint.checkpoint``
     when gradients are enabled, and directly otherwise (nothing would be stored for backward).
     """
 
-    _autoremat_base: type[nn.Module]
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        own_forward = type(self)._autoremat_base.forward
+        own_forward = functools.partial(type(self)._autoremat_base.forward, self)
         if not torch.is_grad_enabled():
-            return own_forward(self, *args, **kwargs)
-        if torch.compiler.is_compiling():
-            return checkpoint(
-                functools.partial(own_forward, self), *args, use_reentrant=False, **kwargs
-            )
-        call = _Call(self)
+            return own_forward(*args, **kwargs)
+        return _checkpoint(self.__dict__.get(_PATH_ATTR, ""), [self], own_forward, args, kwargs)
 
-        def run_forward(*a: Any, **k: Any) -> Any:
-            """The wrapper function: the split point's own forward, guarded on recompute."""
-            if call.first:
-                return call.first_run(own_forward, a, k)
-            return call.recompute(own_forward, a, k)
 
-        return checkpoint(
-            run_forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
-        )
+class CheckpointedRuns(Wrapped):
+    """Mixin placed in front of a plain ``nn.Sequential`` by :func:`apply` for plan entries
+    ``path[i:j]``: each run ``[i:j)`` of its children is recomputed as one, through
+    ``torch.utils.checkpoint.checkpoint`` with a wrapper function that calls the run's own
+    forwards in turn. The other children run as usual."""
+
+    def forward(self, input: Any) -> Any:
+        children = list(self._modules.values())
+        if not torch.is_grad_enabled():
+            return type(self)._autoremat_base.forward(self, input)
+        runs = dict(self.__dict__[_RUNS_ATTR])
+        path = self.__dict__.get(_PATH_ATTR, "")
+        k = 0
+        while k < len(children):
+            j = runs.get(k)
+            if j is None:
+                input = children[k](input)
+                k += 1
+                continue
+            chunk = children[k:j]
+            input = _checkpoint(f"{path}[{k}:{j}]", chunk, _chain(chunk), (input,), {})
+            k = j
+        return input
+
+
+def _chain(modules: list[nn.Module]) -> Any:
+    def run(x: Any) -> Any:
+        for m in modules:
+            x = m(x)
+        return x
+
+    return run
+
+
+def _checkpoint(
+    label: str, owners: list[nn.Module], fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``checkpoint(fn, *args, **kwargs)``, non-reentrant, with the recompute guarded."""
+    if torch.compiler.is_compiling():
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    call = _Call(label, owners)
+
+    def run_forward(*a: Any, **k: Any) -> Any:
+        """The wrapper function: the split point's own forward, guarded on recompute."""
+        if call.first:
+            return call.first_run(fn, a, k)
+        return call.recompute(fn, a, k)
+
+    return checkpoint(run_forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
 class _Call:
-    """One checkpointed call of a module: tells the forward from its recomputes."""
+    """One checkpointed call: tells the forward from its recomputes."""
 
-    __slots__ = ("first", "module", "signature")
+    __slots__ = ("first", "label", "owners", "signature")
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    def __init__(self, label: str, owners: list[nn.Module]) -> None:
+        self.label = label
+        self.owners = owners
         self.first = True
         self.signature: list[tuple[str, int, tuple[int, ...], int]] = []
 
-    def first_run(self, own_forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def first_run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.first = False
         self.signature = _state_signature(args, kwargs)
-        return own_forward(self.module, *args, **kwargs)
+        return fn(*args, **kwargs)
 
-    def recompute(self, own_forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def recompute(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         now = _state_signature(args, kwargs)
         if now != self.signature:
             raise CheckpointError(self._changed_message(now))
         # Kernels such as batch_norm update running statistics without bumping the tensor's
         # version counter, so compare values: put back every buffer the recompute changed.
-        saved = [(b, b.detach().clone()) for b in self.module.buffers() if b.device.type != "meta"]
+        saved = [
+            (b, b.detach().clone())
+            for m in self.owners
+            for b in m.buffers()
+            if b.device.type != "meta"
+        ]
         try:
-            return own_forward(self.module, *args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             with torch.no_grad():
                 for buffer, value in saved:
@@ -109,13 +158,13 @@ class _Call:
         before = {entry[0]: entry for entry in self.signature}
         after = {entry[0]: entry for entry in now}
         changed = [w for w in sorted(before.keys() | after.keys()) if before.get(w) != after.get(w)]
-        path = self.module.__dict__.get(_PATH_ATTR, type(self.module).__name__)
+        path = self.label or "(root)"
         return (
-            f"autoremat: module {path or '(root)'!r} is recomputed in backward, but its inputs "
+            f"autoremat: module {path!r} is recomputed in backward, but its inputs "
             f"were changed in place after its forward ran ({', '.join(changed[:3])}); the "
             f"recompute would compute something else. Fix: do not change a recomputed module's "
             f"inputs in place (for a Hugging Face model, call it with use_cache=False and no "
-            f"cache object), or leave {path or '(root)'!r} out of the plan."
+            f"cache object), or leave {path!r} out of the plan."
         )
 
 
@@ -157,34 +206,60 @@ def _reachable_tensors(obj: Any, where: str, depth: int) -> Iterator[tuple[str, 
 
 
 @functools.cache
-def _checkpoint_class(base: type[nn.Module]) -> type[nn.Module]:
-    """``Checkpointed<Base>``: the class a wrapped module of class ``base`` takes."""
+def _wrapped_class(mixin: type[Wrapped], base: type[nn.Module]) -> type[nn.Module]:
+    """``Checkpointed<Base>`` (or ``CheckpointedRuns<Base>``): a wrapped module's class."""
     return type(
-        f"Checkpointed{base.__name__}",
-        (Checkpointed, base),
+        f"{mixin.__name__}{base.__name__}",
+        (mixin, base),
         {"_autoremat_base": base, "__module__": __name__},
     )
 
 
+_RUN = re.compile(r"(.*)\[(\d+):(\d+)\]")
+
+
 def wrapped_paths(model: nn.Module) -> tuple[str, ...]:
-    """Paths of the modules of ``model`` that :func:`apply` wrapped, in ``named_modules`` order."""
-    return tuple(p for p, m in model.named_modules() if isinstance(m, Checkpointed))
+    """The plan entries :func:`apply` wrapped in ``model``, in ``named_modules`` order: module
+    paths, and ``path[i:j]`` for runs of a Sequential's children."""
+    found: list[str] = []
+    for p, m in model.named_modules():
+        if isinstance(m, Checkpointed):
+            found.append(p)
+        elif isinstance(m, CheckpointedRuns):
+            found += [f"{p}[{i}:{j}]" for i, j in m.__dict__[_RUNS_ATTR]]
+    return tuple(found)
+
+
+def _covered(entry: str) -> list[str]:
+    """The module paths a plan entry recomputes (a run covers its children)."""
+    match = _RUN.fullmatch(entry)
+    if match is None:
+        return [entry]
+    parent, i, j = match.group(1), int(match.group(2)), int(match.group(3))
+    return [f"{parent}.{k}" if parent else str(k) for k in range(i, j)]
+
+
+def _inside(inner: str, outer: str) -> bool:
+    return outer == "" or inner == outer or inner.startswith(outer + ".")
 
 
 def apply(model: nn.Module, paths: Sequence[str]) -> nn.Module:
-    """Wrap the modules of ``model`` at ``paths`` (qualified names) in place; return ``model``.
+    """Wrap the plan entries ``paths`` of ``model`` in place; return ``model``.
 
-    Nothing is changed when the call raises. Applying the same paths to a model that already
-    has them wrapped is a no-op.
+    An entry is a module's qualified name (as in ``model.named_modules()``), or ``path[i:j]``:
+    the run of children ``i..j-1`` of the plain ``nn.Sequential`` at ``path``, recomputed as
+    one. Nothing is changed when the call raises. Applying the same entries to a model that
+    already has them wrapped is a no-op.
 
     Raises:
-        ValueError: a path names no module of ``model`` (the message lists them), one path is
-            inside another (the recompute would nest), the model already has other modules
-            wrapped (call :func:`remove` first), or a module cannot be wrapped (a
-            ``torch.jit.ScriptModule``, or one whose ``forward`` was replaced on the instance).
+        ValueError: an entry names no module of ``model`` (the message lists them), or a run
+            that is not inside a plain ``nn.Sequential``; one entry is inside another (the
+            recomputes would nest); the model already has other entries wrapped (call
+            :func:`remove` first); or a module cannot be wrapped (a ``torch.jit.ScriptModule``,
+            or one whose ``forward`` was replaced on the instance).
     """
     modules = dict(model.named_modules())
-    missing = [p for p in paths if p not in modules]
+    missing = [e for e in paths if (_RUN.fullmatch(e) or [None, e])[1] not in modules]
     if missing:
         raise ValueError(
             f"the plan names modules that {type(model).__name__} does not have: "
@@ -200,28 +275,54 @@ def apply(model: nn.Module, paths: Sequence[str]) -> nn.Module:
             f"plan; call autoremat.remove(model) before applying a new one"
         )
     chosen = sorted(set(paths))
-    for outer, inner in itertools.pairwise(chosen):
-        if outer == "" or inner.startswith(outer + "."):
+    covers = {e: _covered(e) for e in chosen}
+    for a, b in itertools.combinations(chosen, 2):
+        for x in covers[a]:
+            for y in covers[b]:
+                if _inside(x, y) or _inside(y, x):
+                    inner, outer = (a, b) if _inside(x, y) else (b, a)
+                    raise ValueError(
+                        f"module {inner or '(root)'!r} is inside {outer or '(root)'!r}: "
+                        f"recomputes would nest; keep only one of them in the plan"
+                    )
+    runs: dict[str, list[tuple[int, int]]] = {}
+    for e in chosen:
+        match = _RUN.fullmatch(e)
+        if match is None:
+            _check_wrappable(e, modules[e])
+            continue
+        parent, i, j = match.group(1), int(match.group(2)), int(match.group(3))
+        seq = modules[parent]
+        if type(seq).forward is not nn.Sequential.forward or not (0 <= i < j <= len(seq)):
             raise ValueError(
-                f"module {inner!r} is inside {outer or '(root)'!r}: recomputes would nest; "
-                f"keep only one of them in the plan"
+                f"plan entry {e!r} needs a plain nn.Sequential at {parent or '(root)'!r} with "
+                f"children {i}..{j - 1}; {type(seq).__name__} is not one"
             )
-    for p in chosen:
-        m = modules[p]
-        if isinstance(m, torch.jit.ScriptModule):
-            raise ValueError(f"module {p!r} is a TorchScript module and cannot be wrapped")
-        if "forward" in m.__dict__:
-            raise ValueError(
-                f"module {p!r} has its forward replaced on the instance (by a hook library?); "
-                f"autoremat cannot wrap it: leave it out of the plan"
-            )
-    for p in chosen:
-        m = modules[p]
-        m.__class__ = _checkpoint_class(type(m))
-        m.__dict__[_PATH_ATTR] = p
+        _check_wrappable(parent, seq)
+        runs.setdefault(parent, []).append((i, j))
+    for e in chosen:
+        if _RUN.fullmatch(e) is None:
+            m = modules[e]
+            m.__class__ = _wrapped_class(Checkpointed, type(m))
+            m.__dict__[_PATH_ATTR] = e
+    for parent, spans in runs.items():
+        seq = modules[parent]
+        seq.__class__ = _wrapped_class(CheckpointedRuns, type(seq))
+        seq.__dict__[_PATH_ATTR] = parent
+        seq.__dict__[_RUNS_ATTR] = tuple(sorted(spans))
     if chosen:
         _disable_hf_cache_in_training(model)
     return model
+
+
+def _check_wrappable(path: str, m: nn.Module) -> None:
+    if isinstance(m, torch.jit.ScriptModule):
+        raise ValueError(f"module {path!r} is a TorchScript module and cannot be wrapped")
+    if "forward" in m.__dict__:
+        raise ValueError(
+            f"module {path!r} has its forward replaced on the instance (by a hook library?); "
+            f"autoremat cannot wrap it: leave it out of the plan"
+        )
 
 
 def remove(model: nn.Module) -> nn.Module:
@@ -232,7 +333,7 @@ def remove(model: nn.Module) -> nn.Module:
     unchanged (a no-op, not an error).
     """
     for m in model.modules():
-        if isinstance(m, Checkpointed):
+        if isinstance(m, Wrapped):
             cls = type(m)
             if "_autoremat_base" not in cls.__dict__:
                 raise ValueError(
@@ -241,6 +342,7 @@ def remove(model: nn.Module) -> nn.Module:
                 )
             m.__class__ = cls._autoremat_base
             m.__dict__.pop(_PATH_ATTR, None)
+            m.__dict__.pop(_RUNS_ATTR, None)
     for m in model.modules():
         handle = _cache_hooks.pop(m, None)
         if handle is not None:

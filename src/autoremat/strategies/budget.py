@@ -1,0 +1,250 @@
+"""The memory-budget strategy: the cheapest set of modules to recompute under a peak budget.
+
+Cost model (see NOTE in the README for the reasoning and the measured error):
+
+* Every tree node ``i`` is numbered by when its forward ended (``end``); ``start`` is how many
+  nodes had ended before it began. Recomputing ``i`` frees ``freed[i]`` bytes: what its
+  subtree saved for backward, less its inputs (the checkpoint keeps those), and costs
+  ``cost[i]`` (its forward FLOPs plus one per byte it recreates, so that of two equally costly
+  modules the one that moves less memory is preferred).
+* The profiled step without recompute gives *points* ``(p, bytes)``: at some moment ``bytes``
+  were live while nodes ``0..p-1`` had finished their forward and not begun their backward.
+  Recomputing a set ``S`` of nodes, never one inside another, lowers that moment to
+  ``bytes - sum(freed[s] for s in S if end[s] < p)``: before a node's backward starts, its
+  activations are gone; once it starts, the recompute brings them all back, exactly as they
+  were in the step without recompute, gradients and all. The recompute also holds, for a
+  moment, the temporaries its forward made and dropped: each chosen node adds the point
+  ``(start[s], recompute_peak[s])``, the live bytes when its backward began plus those
+  temporaries. The predicted peak is the maximum over the points; with ``S`` empty it is the
+  profiled peak itself.
+
+The solver is exact under that model: a dynamic programme over the tree in execution order
+whose state is the set of Pareto-optimal ``(bytes freed so far, cost so far)`` pairs. At each
+node it either recomputes the node whole (allowed when every point inside the node's span
+already fits with what was freed before it), or, for a plain ``nn.Sequential``, a run of two
+or more consecutive children as one, or descends into its children. Points are checked as the
+walk passes them, so every kept state is feasible so far; a state with more bytes freed and
+less cost dominates, since what is feasible later depends only on the bytes freed. Bytes freed
+are counted up to the largest excess over the budget (more is worth nothing) on a grid of
+``GRID_STEPS`` steps, rounded down, which keeps every answer feasible and bounds the frontier.
+The work is ``O((nodes + runs) x frontier)``; ``runs`` is at most ``MAX_RUN`` per child of a
+Sequential.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+GRID_STEPS = 100_000
+# Recompute cost charged per byte of activations a module recreates, in FLOPs.
+COST_PER_BYTE = 1.0
+
+
+@dataclass(frozen=True)
+class Item:
+    """One node of the planning tree (children ordered by ``end``)."""
+
+    path: str
+    start: int
+    end: int
+    freed: int
+    flops: int
+    candidate: bool = True
+    children: tuple[Item, ...] = ()
+    recompute_peak: int = 0
+    # runs [i:j) of two or more children that can be recomputed as one (a plain Sequential):
+    # (i, j, freed, flops, recompute_peak)
+    runs: tuple[tuple[int, int, int, int, int], ...] = ()
+
+    def run_item(self, i: int, j: int, freed: int, flops: int, recompute_peak: int) -> Item:
+        """The run ``[i:j)`` of this node's children as one item, named ``path[i:j]``."""
+        return Item(
+            path=f"{self.path}[{i}:{j}]",
+            start=self.children[i].start,
+            end=self.children[j - 1].end,
+            freed=freed,
+            flops=flops,
+            recompute_peak=recompute_peak,
+        )
+
+    @property
+    def cost(self) -> float:
+        return self.flops + COST_PER_BYTE * self.freed
+
+    def walk(self) -> list[Item]:
+        out = [self]
+        for child in self.children:
+            out.extend(child.walk())
+        return out
+
+
+class Infeasible(ValueError):
+    """No set of modules brings the predicted peak under the budget."""
+
+
+def predict_peak(points: Sequence[tuple[int, int]], chosen: Sequence[Item]) -> int:
+    """The predicted step peak when the ``chosen`` nodes are recomputed (module docstring)."""
+    moments = [*points, *((s.start, s.recompute_peak) for s in chosen)]
+    if not moments:
+        return 0
+    return max(b - sum(s.freed for s in chosen if s.end < p) for p, b in moments)
+
+
+# A state of the dynamic programme: (-bytes freed so far, cost so far, tie-break, chosen),
+# where chosen is a linked list (item, rest). Tuples sort natively: most freed, then cheapest.
+_State = tuple[int, float, int, Any]
+
+
+def _pareto(states: list[_State]) -> list[_State]:
+    """The states no other state beats on both bytes freed and cost."""
+    states.sort()
+    kept: list[_State] = []
+    best = math.inf
+    for s in states:
+        if s[1] < best:
+            kept.append(s)
+            best = s[1]
+    return kept
+
+
+def solve(root: Item, points: Sequence[tuple[int, int]], budget: int) -> list[Item]:
+    """The cheapest set of nodes under ``root`` whose predicted peak is at most ``budget``.
+
+    Raises:
+        Infeasible: no set fits; :func:`min_peak` gives the lowest reachable peak.
+    """
+    top = max((p for p, _ in points), default=0)
+    need = [0] * (top + 1)  # the most bytes live at each point
+    for p, b in points:
+        need[p] = max(need[p], b)
+    # Bytes freed beyond the largest excess are worth no more; below it, they are counted on a
+    # grid of GRID_STEPS steps, rounded down (so every state stays feasible).
+    cap = max(0, max(need) - budget, *(i.recompute_peak - budget for i in root.walk()))
+    grid = max(1, cap // GRID_STEPS)
+    cap = -(-cap // grid) * grid  # a multiple of the grid, so that rounding keeps it
+    counter = itertools.count()
+
+    def check(states: list[_State], lo: int, hi: int) -> list[_State]:
+        """Keep the states under budget at every point ``p`` with ``lo < p <= hi``."""
+        worst = max(need[max(lo + 1, 0) : hi + 1], default=0)
+        return [s for s in states if worst + s[0] <= budget]
+
+    def take(item: Item, states: list[_State]) -> list[_State]:
+        """The states in which recomputing ``item`` whole fits, with it recomputed."""
+        worst = max(need[item.start + 1 : item.end + 1], default=0)
+        worst = max(worst, item.recompute_peak)
+        return [
+            (
+                -(min(cap, -s[0] + item.freed) // grid * grid),
+                s[1] + item.cost,
+                next(counter),
+                (item, s[3]),
+            )
+            for s in states
+            if worst + s[0] <= budget
+        ]
+
+    def run(item: Item, states: list[_State]) -> list[_State]:
+        kids = item.children
+        runs: dict[int, list[tuple[int, Item]]] = {}
+        for i, j, freed, flops, peak in item.runs if item.candidate else ():
+            if freed > 0:
+                runs.setdefault(i, []).append((j, item.run_item(i, j, freed, flops, peak)))
+        # arriving[k]: states that have passed children 0..k-1 (k = len(kids): all of them)
+        arriving: list[list[_State]] = [[] for _ in kids] + [[]]
+        arriving[0] = states
+        cursor = item.start
+        for k, child in enumerate(kids):
+            here = _pareto(check(arriving[k], cursor, child.start))
+            arriving[k + 1] += run(child, here)
+            for j, whole in runs.get(k, []):
+                arriving[j] += take(whole, here)
+            cursor = child.end
+        inside = check(_pareto(arriving[len(kids)]), cursor, item.end)
+        if item.candidate and item.freed > 0:
+            inside = inside + take(item, states)
+        return _pareto(inside)
+
+    states = check([(0, 0.0, next(counter), None)], -1, root.start)
+    states = check(run(root, states), root.end, top)
+    if not states:
+        raise Infeasible(f"no recompute plan has a predicted peak <= {budget} bytes")
+    best = min(states, key=lambda s: s[1])
+    chosen: list[Item] = []
+    link = best[3]
+    while link is not None:
+        chosen.append(link[0])
+        link = link[1]
+    return sorted(chosen, key=lambda i: i.end)
+
+
+def min_peak(root: Item, points: Sequence[tuple[int, int]]) -> int:
+    """The lowest budget :func:`solve` meets (within 0.1% of the baseline above the lowest
+    predicted peak any plan reaches)."""
+    baseline = max((b for _, b in points), default=0)
+    lo, hi = 0, baseline  # hi is always feasible: the empty plan
+    tolerance = max(1, baseline // 1000)
+    while hi - lo > tolerance:
+        mid = (lo + hi) // 2
+        try:
+            solve(root, points, mid)
+            hi = mid
+        except Infeasible:
+            lo = mid
+    return hi
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_FORMS = (
+    "a number of bytes (int), a fraction of the no-recompute peak (float, 0 < f <= 1), "
+    'a percentage ("50%"), or a size string such as "800MB" or "6GiB" '
+    "(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+)
+
+
+def parse_budget(budget: object, baseline: int) -> int:
+    """Bytes for a ``budget`` given as bytes, a fraction or percentage of ``baseline``, or a
+    size string (see ``_FORMS``).
+
+    Raises:
+        TypeError: a type other than int, float or str.
+        ValueError: malformed, negative or zero; the message names the accepted forms.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise TypeError(f"budget must be {_FORMS}; got {type(budget).__name__}")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget must be positive bytes, got {budget}; use {_FORMS}")
+        return budget
+    if isinstance(budget, float):
+        if not (0.0 < budget <= 1.0):
+            raise ValueError(
+                f"a float budget is a fraction of the no-recompute peak, 0 < f <= 1; got "
+                f"{budget}. Use {_FORMS}"
+            )
+        return max(1, int(budget * baseline))
+    text = budget.strip()
+    if text.endswith("%"):
+        try:
+            percent = float(text[:-1])
+        except ValueError:
+            percent = math.nan
+        if not (0.0 < percent <= 100.0):
+            raise ValueError(f"budget {budget!r}: a percentage must be in (0, 100]; use {_FORMS}")
+        return max(1, int(percent / 100.0 * baseline))
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"budget {budget!r} is not understood; use {_FORMS}")
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if size < 1:
+        raise ValueError(f"budget {budget!r} is zero; use {_FORMS}")
+    return int(size)
