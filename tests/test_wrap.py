@@ -286,3 +286,38 @@ def test_build_tree_and_plan_leave_the_model_as_found(name):
     assert {n: m.training for n, m in model.named_modules()} == modes
     assert torch.equal(torch.random.get_rng_state(), rng)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_runs_of_sequential_children_are_recomputed_as_one():
+    """A plan entry ``path[i:j]`` recomputes children i..j-1 of a plain Sequential as one
+    checkpoint: the same step, names and keys unchanged, and remove undoes it."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Dropout(0.2), nn.Linear(16, 8)
+    )
+    model = nn.Sequential(nn.Linear(8, 8), inner, nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    x = (torch.randn(32, 8),)
+    wrap.apply(model, ["1[0:4]", "[2:3]"])
+    assert set(autoremat.wrapped_paths(model)) == {"1[0:4]", "[2:3]"}
+    assert isinstance(model[1], wrap.CheckpointedRuns) and isinstance(model, nn.Sequential)
+    assert list(model.state_dict()) == keys
+    assert_same_step(reference, model, x, {})
+    assert int(model[1][1].num_batches_tracked) == 1
+    autoremat.remove(model)
+    assert type(model) is nn.Sequential and type(model[1]) is nn.Sequential
+    assert "_autoremat_runs" not in model[1].__dict__
+
+
+def test_bad_runs_are_refused():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"plain nn\.Sequential"):
+        wrap.apply(model, ["[1:5]"])
+    with pytest.raises(ValueError, match="inside"):
+        wrap.apply(model, ["[0:2]", "1"])
+    with pytest.raises(ValueError, match="inside"):
+        wrap.apply(model, ["[0:2]", "[1:3]"])
+    with pytest.raises(ValueError, match="does not have"):
+        wrap.apply(model, ["nope[0:2]"])
+    assert autoremat.wrapped_paths(model) == ()

@@ -92,6 +92,13 @@ class Plan:
         return "\n".join(rows)
 
     def __str__(self) -> str:
+        lines = [self.summary()]
+        if self.tree is not None:
+            lines += ["", self.tree.render(marked=frozenset(self.modules))]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """The header and :meth:`table`, without the tree."""
         how = {
             "levels": f"levels, segments={self.segments}",
             "budget": f"budget {self.budget / _MiB:.2f} MiB" if self.budget else "budget",
@@ -101,8 +108,6 @@ class Plan:
             f"{'' if len(self.modules) == 1 else 's'}"
         )
         lines = [head, self.table()] if self.modules or self.strategy == "budget" else [head]
-        if self.tree is not None:
-            lines += ["", self.tree.render(marked=frozenset(self.modules))]
         return "\n".join(lines)
 
 

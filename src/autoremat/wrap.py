@@ -389,7 +389,7 @@ def _no_cache_pre_hook(
 @functools.cache
 def _warn_once_cache(name: str) -> None:
     logger.warning(
-        "autoremat: %s is called with use_cache=False while training: a key/value cache would be "
+        "%s is called with use_cache=False while training: a key/value cache would be "
         "updated again when wrapped modules are recomputed (Hugging Face's own gradient "
         "checkpointing does the same)",
         name,
