@@ -25,14 +25,18 @@ already fits with what was freed before it), or, for a plain ``nn.Sequential``, 
 or more consecutive children as one, or descends into its children. Points are checked as the
 walk passes them, so every kept state is feasible so far; a state with more bytes freed and
 less cost dominates, since what is feasible later depends only on the bytes freed. Bytes freed
-are counted up to the largest excess over the budget (more is worth nothing) on a grid of
-``GRID_STEPS`` steps, rounded down, which keeps every answer feasible and bounds the frontier.
+are counted up to the largest excess over the budget (more is worth nothing). Past
+``MAX_STATES`` states, the frontier keeps one state per ``1/MAX_STATES`` of that excess, the one
+that freed most: no feasible answer is lost, and the cost may exceed the optimum by what
+separates states within one step (never on small trees, where the frontier stays below it).
 The work is ``O((nodes + runs) x frontier)``; ``runs`` is at most ``MAX_RUN`` per child of a
 Sequential.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import math
 import re
@@ -40,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-GRID_STEPS = 100_000
+MAX_STATES = 1024
 # Recompute cost charged per byte of activations a module recreates, in FLOPs.
 COST_PER_BYTE = 1.0
 
@@ -100,16 +104,28 @@ def predict_peak(points: Sequence[tuple[int, int]], chosen: Sequence[Item]) -> i
 _State = tuple[int, float, int, Any]
 
 
-def _pareto(states: list[_State]) -> list[_State]:
-    """The states no other state beats on both bytes freed and cost."""
-    states.sort()
+def _merge(parts: list[list[_State]], grid: int) -> list[_State]:
+    """The states of ``parts`` (each sorted, most freed first) that no other state beats on
+    both bytes freed and cost; past ``MAX_STATES``, one per ``grid`` bytes freed: the one that
+    freed most, so that no feasible answer is lost."""
+    parts = [p for p in parts if p]
+    if len(parts) <= 1:
+        return parts[0] if parts else []
     kept: list[_State] = []
     best = math.inf
-    for s in states:
+    for s in heapq.merge(*parts):
         if s[1] < best:
             kept.append(s)
             best = s[1]
-    return kept
+    if len(kept) <= MAX_STATES:
+        return kept
+    thinned: list[_State] = []
+    bucket = None
+    for s in kept:
+        if -s[0] // grid != bucket:
+            bucket = -s[0] // grid
+            thinned.append(s)
+    return thinned
 
 
 def solve(root: Item, points: Sequence[tuple[int, int]], budget: int) -> list[Item]:
@@ -122,53 +138,63 @@ def solve(root: Item, points: Sequence[tuple[int, int]], budget: int) -> list[It
     need = [0] * (top + 1)  # the most bytes live at each point
     for p, b in points:
         need[p] = max(need[p], b)
-    # Bytes freed beyond the largest excess are worth no more; below it, they are counted on a
-    # grid of GRID_STEPS steps, rounded down (so every state stays feasible).
+    # Bytes freed beyond the largest excess over the budget are worth no more.
     cap = max(0, max(need) - budget, *(i.recompute_peak - budget for i in root.walk()))
-    grid = max(1, cap // GRID_STEPS)
-    cap = -(-cap // grid) * grid  # a multiple of the grid, so that rounding keeps it
+    grid = max(1, -(-cap // MAX_STATES))
     counter = itertools.count()
+    useful: dict[int, bool] = {}
+
+    def mark(item: Item) -> bool:
+        """Whether anything under ``item`` can be chosen."""
+        here = item.candidate and (item.freed > 0 or any(r[2] > 0 for r in item.runs))
+        useful[id(item)] = any([mark(c) for c in item.children]) or here
+        return useful[id(item)]
+
+    mark(root)
+
+    def feasible(states: list[_State], worst: int) -> list[_State]:
+        """The states in which ``worst`` live bytes fit: a prefix, as states are sorted by
+        bytes freed, most first."""
+        return states[: bisect.bisect_right(states, (budget - worst, math.inf))]
 
     def check(states: list[_State], lo: int, hi: int) -> list[_State]:
         """Keep the states under budget at every point ``p`` with ``lo < p <= hi``."""
-        worst = max(need[max(lo + 1, 0) : hi + 1], default=0)
-        return [s for s in states if worst + s[0] <= budget]
+        return feasible(states, max(need[max(lo + 1, 0) : hi + 1], default=0))
 
     def take(item: Item, states: list[_State]) -> list[_State]:
         """The states in which recomputing ``item`` whole fits, with it recomputed."""
         worst = max(need[item.start + 1 : item.end + 1], default=0)
-        worst = max(worst, item.recompute_peak)
+        fits = feasible(states, max(worst, item.recompute_peak))
+        # those that reach the cap become equal: keep the cheapest (the last) of them
+        capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
+        fits = fits[max(0, capped - 1) :]
         return [
-            (
-                -(min(cap, -s[0] + item.freed) // grid * grid),
-                s[1] + item.cost,
-                next(counter),
-                (item, s[3]),
-            )
-            for s in states
-            if worst + s[0] <= budget
+            (-min(cap, item.freed - s[0]), s[1] + item.cost, next(counter), (item, s[3]))
+            for s in fits
         ]
 
     def run(item: Item, states: list[_State]) -> list[_State]:
+        if not useful[id(item)]:
+            return check(states, item.start, item.end)
         kids = item.children
         runs: dict[int, list[tuple[int, Item]]] = {}
         for i, j, freed, flops, peak in item.runs if item.candidate else ():
             if freed > 0:
                 runs.setdefault(i, []).append((j, item.run_item(i, j, freed, flops, peak)))
         # arriving[k]: states that have passed children 0..k-1 (k = len(kids): all of them)
-        arriving: list[list[_State]] = [[] for _ in kids] + [[]]
-        arriving[0] = states
+        arriving: list[list[list[_State]]] = [[] for _ in kids] + [[]]
+        arriving[0] = [states]
         cursor = item.start
         for k, child in enumerate(kids):
-            here = _pareto(check(arriving[k], cursor, child.start))
-            arriving[k + 1] += run(child, here)
+            here = check(_merge(arriving[k], grid), cursor, child.start)
+            arriving[k + 1].append(run(child, here))
             for j, whole in runs.get(k, []):
-                arriving[j] += take(whole, here)
+                arriving[j].append(take(whole, here))
             cursor = child.end
-        inside = check(_pareto(arriving[len(kids)]), cursor, item.end)
+        inside = check(_merge(arriving[len(kids)], grid), cursor, item.end)
         if item.candidate and item.freed > 0:
-            inside = inside + take(item, states)
-        return _pareto(inside)
+            return _merge([inside, take(item, states)], grid)
+        return inside
 
     states = check([(0, 0.0, next(counter), None)], -1, root.start)
     states = check(run(root, states), root.end, top)
@@ -244,7 +270,11 @@ def parse_budget(budget: object, baseline: int) -> int:
     match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)", text)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"budget {budget!r} is not understood; use {_FORMS}")
+    if not match.group(2) and "." in match.group(1):
+        raise ValueError(f"budget {budget!r}: a size without a unit is whole bytes; use {_FORMS}")
     size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(size):
+        raise ValueError(f"budget {budget!r} is too large to be a size; use {_FORMS}")
     if size < 1:
         raise ValueError(f"budget {budget!r} is zero; use {_FORMS}")
     return int(size)

@@ -1,0 +1,291 @@
+"""The side-by-side benchmark harness (autoremat.bench): tiny models, one timed step, no compile."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from autoremat import build_tree
+from autoremat.bench import (
+    Row,
+    Strategy,
+    compare,
+    every_block,
+    find_blocks,
+    levels,
+    no_recompute,
+    plot,
+    saved_by_autograd,
+    sqrt_segments,
+    to_csv,
+    to_markdown,
+)
+from autoremat.cli import main
+from autoremat.examples import ConvNet, TinyGPT
+from autoremat.tree import Node
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: these models are tiny, and on a shared 2-core machine a second OpenMP
+    thread that loses its core stalls every op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_gpt() -> tuple[nn.Module, tuple, dict]:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, width=32, layers=4, heads=2, context=32).train()
+    idx = torch.randint(0, 64, (2, 32))
+    return model, (idx,), {"targets": torch.roll(idx, -1, dims=1)}
+
+
+def chain(n: int = 8, batchnorm: bool = False) -> tuple[nn.Module, tuple, dict]:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(n):
+        layers += [nn.Linear(16, 16)] + ([nn.BatchNorm1d(16)] if batchnorm else []) + [nn.GELU()]
+    return nn.Sequential(*layers).train(), (torch.randn(32, 16),), {}
+
+
+ALL = [no_recompute(), every_block(), sqrt_segments(), levels(1), levels(2), levels(4)]
+
+
+# ---------------------------------------------------------------- find_blocks
+
+
+class A(nn.Module):
+    pass
+
+
+class B(nn.Module):
+    pass
+
+
+def node(path: str, module: nn.Module, *children: Node) -> Node:
+    return Node(name=path.rsplit(".", 1)[-1], path=path, module=module, children=list(children))
+
+
+def leaf(path: str) -> Node:
+    return node(path, nn.Linear(1, 1))
+
+
+def test_find_blocks_picks_the_largest_group_of_non_leaf_siblings() -> None:
+    tree = node(
+        "",
+        A(),
+        node("x", A(), leaf("x.0")),
+        node("y", A(), leaf("y.0")),
+        node(
+            "z",
+            B(),
+            node("z.0", B(), leaf("z.0.0")),
+            node("z.1", B(), leaf("z.1.0")),
+            node("z.2", B(), leaf("z.2.0")),
+            node("z.3", A(), leaf("z.3.0")),
+        ),
+        leaf("w0"),
+        leaf("w1"),
+        leaf("w2"),
+        leaf("w3"),  # four leaves of one class: leaves are never blocks
+    )
+    assert find_blocks(tree) == ["z.0", "z.1", "z.2"]
+
+
+def test_find_blocks_ties_go_to_the_shallower_group() -> None:
+    deep = node("d", B(), node("d.0", A(), leaf("d.0.0")), node("d.1", A(), leaf("d.1.0")))
+    tree = node("", A(), deep, node("e", B(), leaf("e.0")))
+    # {d, e} (class B, depth 1) and {d.0, d.1} (class A, depth 2) both have two members
+    assert find_blocks(tree) == ["d", "e"]
+
+
+def test_find_blocks_needs_two_members() -> None:
+    assert find_blocks(node("", A(), leaf("a"), leaf("b"), leaf("c"))) == []
+    assert find_blocks(node("", A(), node("x", B(), leaf("x.0")), leaf("b"))) == []
+    assert find_blocks(leaf("")) == []
+
+
+def test_find_blocks_on_real_trees() -> None:
+    model, args, kwargs = tiny_gpt()
+    assert find_blocks(build_tree(model, args, kwargs)) == ["h.0", "h.1", "h.2", "h.3"]
+    cnn = ConvNet(widths=(4, 8, 8))
+    tree = build_tree(cnn, (torch.randn(2, 3, 16, 16),), {})
+    assert find_blocks(tree) == ["features.0", "features.1", "features.2"]
+    model, args, kwargs = chain()
+    assert find_blocks(build_tree(model, args, kwargs)) == []
+
+
+# ---------------------------------------------------------------- compare
+
+
+def test_compare_rows_baseline_and_gradients() -> None:
+    model, args, kwargs = tiny_gpt()
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    rows = compare(model, args, kwargs, ALL, repeats=1, name="tiny")
+    names = [r.strategy for r in rows]
+    # sqrt segments does not apply (not a chain); levels s=1 and s=2 pick the same 4 blocks as
+    # every block, so they are dropped; s=4 picks each block's attn and mlp
+    assert names == ["none", "every block", "levels s=4"]
+    assert len(names) == len(set(names))
+    base = rows[0]
+    assert (base.peak_ratio, base.saved_ratio, base.flops_ratio, base.time_ratio) == (1, 1, 1, 1)
+    assert base.autograd_saved_ratio == 1
+    for r in rows:
+        assert r.model == "tiny"
+        assert r.grads_match, (r.strategy, r.note)
+        assert not r.compiled
+        assert r.seconds is not None and r.seconds > 0
+        assert r.peak is not None and r.flops is not None
+    every = rows[1]
+    assert every.saved_ratio is not None and every.saved_ratio < 0.5
+    assert every.flops_ratio is not None and every.flops_ratio > 1.0
+    assert "wraps 4: h.0" in every.note
+    assert "same plan as levels s=1, levels s=2" in every.note
+    assert "wraps 8: h.0.attn, h.0.mlp" in rows[2].note
+    # the user's model is untouched
+    assert type(model) is TinyGPT
+    for n, v in model.state_dict().items():
+        assert torch.equal(v, before[n])
+
+
+def test_compare_on_a_chain() -> None:
+    model, args, kwargs = chain()
+    rows = compare(model, args, kwargs, ALL, repeats=1)
+    names = [r.strategy for r in rows]
+    assert names == ["none", "sqrt segments", "levels s=1"]  # no blocks; one levels plan
+    assert rows[0].model == "Sequential"
+    assert all(r.grads_match for r in rows)
+    assert "4 segments of 16" in rows[1].note
+    assert rows[1].autograd_saved_ratio is not None and rows[1].autograd_saved_ratio < 0.6
+    assert "wraps 1: (root)" in rows[2].note
+
+
+def test_compare_flags_batchnorm_moved_twice_by_checkpoint_sequential() -> None:
+    model, args, kwargs = chain(4, batchnorm=True)
+    rows = compare(model, args, kwargs, [sqrt_segments(), levels(4)], repeats=1)
+    by = {r.strategy: r for r in rows}
+    assert by["sqrt segments"].grads_match
+    assert "buffers differ" in by["sqrt segments"].note  # pytorch#96136
+    assert "buffers differ" not in by["levels s=4"].note  # autoremat restores them
+
+
+def test_compare_adds_the_baseline_and_reports_failures() -> None:
+    def broken(model: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
+        raise RuntimeError("boom")
+
+    model, args, kwargs = chain(2)
+    rows = compare(model, args, kwargs, [Strategy("broken", broken)], repeats=1)
+    assert [r.strategy for r in rows] == ["none", "broken"]
+    assert rows[1].seconds is None and not rows[1].grads_match
+    assert "failed: RuntimeError: boom" in rows[1].note
+    with pytest.raises(ValueError, match="repeats"):
+        compare(model, args, kwargs, [], repeats=0)
+
+
+def test_every_block_on_hugging_face_gpt2_reduces_saved_bytes() -> None:
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=64)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 64, (2, 32))
+    kwargs = {"input_ids": ids, "labels": ids}
+    rows = compare(model, (), kwargs, [no_recompute(), every_block()], repeats=1)
+    base, every = rows
+    assert every.note.startswith("HF activation_checkpointing_enable")
+    assert every.grads_match, every.note
+    assert every.saved < base.saved
+    assert every.autograd_saved < base.autograd_saved
+    assert every.peak < base.peak
+    assert not model.is_gradient_checkpointing  # the copy was changed, not the model
+
+
+def test_saved_by_autograd_counts_activations_only() -> None:
+    lin = nn.Linear(8, 4)
+    x = torch.randn(16, 8)
+    # Linear saves its input and weight: neither counts
+    assert saved_by_autograd(lin, (x,)) == 0
+    net = nn.Sequential(nn.Linear(8, 4), nn.ReLU())
+    # ReLU saves its output (16 x 4 float32) and the default loss saves nothing
+    assert saved_by_autograd(net, (x,)) == 16 * 4 * 4
+    assert all(p.grad is None for p in net.parameters())
+
+
+# ---------------------------------------------------------------- reports
+
+
+def sample_rows() -> list[Row]:
+    model, args, kwargs = chain(4)
+    rows = compare(model, args, kwargs, ALL, repeats=1, name="chain")
+    rows.append(
+        Row(
+            model="chain",
+            strategy="compile b=0.5",
+            peak=None,
+            saved=100,
+            autograd_saved=100,
+            flops=10**9,
+            seconds=0.01,
+            time_spread=0.1,
+            peak_ratio=None,
+            saved_ratio=0.5,
+            autograd_saved_ratio=0.5,
+            flops_ratio=1.2,
+            time_ratio=0.9,
+            grads_match=True,
+            note="compile 3 s, 2 graphs | test",
+            compiled=True,
+        )
+    )
+    return rows
+
+
+def test_markdown_has_a_header_and_one_line_per_row() -> None:
+    rows = sample_rows()
+    lines = to_markdown(rows).splitlines()
+    assert lines[0].startswith("| model | strategy | peak MiB")
+    assert set(lines[1]) <= set("|-:")
+    assert len(lines) == 2 + len(rows)
+    assert all(line.count(" | ") == lines[0].count(" | ") for line in lines[2:])
+    assert "n/a" in lines[-1]  # the compiled row has no peak
+
+
+def test_csv_round_trips(tmp_path) -> None:
+    rows = sample_rows()
+    path = tmp_path / "r.csv"
+    to_csv(rows, path)
+    with open(path, newline="") as f:
+        back = list(csv.DictReader(f))
+    assert len(back) == len(rows)
+    for row, rec in zip(rows, back, strict=True):
+        assert rec["model"] == row.model and rec["strategy"] == row.strategy
+        assert rec["note"] == row.note
+        assert rec["grads_match"] == str(row.grads_match)
+        assert (rec["peak"] == "") == (row.peak is None)
+        if row.peak is not None:
+            assert int(rec["peak"]) == row.peak
+        assert math.isclose(float(rec["seconds"]), row.seconds)
+        assert float(rec["flops_ratio"]) == row.flops_ratio
+
+
+def test_plot_writes_a_png(tmp_path) -> None:
+    path = tmp_path / "r.png"
+    plot(sample_rows(), path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 10_000
+
+
+def test_cli_bench(capsys) -> None:
+    assert main(["bench", "gpt2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("| gpt2 |")]
+    assert "| model | strategy |" in out
+    assert [line.split(" | ")[1] for line in lines][:2] == ["none", "every block"]
+    assert "DIFFER" not in out
