@@ -24,7 +24,7 @@ from torch import nn
 
 import autoremat
 from autoremat.examples import EXAMPLES
-from autoremat.plan import HEADROOM
+from autoremat.plan import HEADROOM, planning_tree
 from autoremat.strategies import budget as budget_mod
 from autoremat.strategies.budget import (
     Infeasible,
@@ -688,3 +688,36 @@ def test_budget_plan_matches_levels_peak_with_no_more_flops() -> None:
         m = autoremat.measure(wrapped, args, kwargs)
         assert m.peak <= peak, (modules, plan.modules)
         assert m.flops <= flops, (modules, plan.modules, m.flops, flops)
+
+
+class SharedDropoutLayer(nn.Module):
+    """Like a ViT layer: one dropout module called after attention and again after the MLP,
+    so its calls interleave with its siblings'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+        self.norm = nn.LayerNorm(256)
+        self.mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(x))
+        return x + self.dropout(self.mlp(self.norm(x)))
+
+
+def test_siblings_of_a_module_called_twice_stay_candidates():
+    """The shared dropout is left out, not its siblings: the planner can still recompute the
+    MLP, and the plan it picks measures within its budget and trains identically."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SharedDropoutLayer(), SharedDropoutLayer())
+    args = (torch.randn(512, 256),)
+    prof = autoremat.profile(model, args)
+    items = {i.path: i for i in planning_tree(prof).walk()}
+    assert not items["0.dropout"].candidate
+    assert items["0.mlp"].candidate and items["0.norm"].candidate and items["0.attn"].candidate
+    plan = autoremat.plan(model, args, budget=0.75)
+    wrapped = plan.apply(copy.deepcopy(model))
+    assert autoremat.measure(wrapped, args).peak <= plan.budget
+    assert any("mlp" in p for p in plan.modules), plan.modules
+    assert_same_step(copy.deepcopy(model), wrapped, args, {})

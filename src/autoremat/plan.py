@@ -7,7 +7,6 @@ budget, from a profile of the step).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,9 +179,10 @@ def _require_submodules(model: nn.Module, tree: Node) -> None:
 
 def planning_tree(prof: Profile) -> Item:
     """The budget strategy's view of a profile: one :class:`Item` per node, children in the
-    order they ended. Nodes whose span interleaves with a sibling's (a shared module called
-    between its siblings' calls), and their descendants, are not candidates: the cost model
-    places each node at one span. Modules that cannot be wrapped are not candidates either."""
+    order they ended. A module called several times whose calls interleave with a sibling's
+    (a dropout used after attention and after the MLP), and its descendants, are not
+    candidates: the cost model places each node at one span. Modules that cannot be wrapped
+    are not candidates either."""
 
     def buffer_bytes(module: nn.Module) -> int:
         # the wrap copies the module's buffers around each recompute (wrap.py)
@@ -195,9 +195,14 @@ def planning_tree(prof: Profile) -> Item:
         cost = prof[node.path]
         kids = sorted(node.children, key=lambda c: prof[c.path].end)
         clash = set()
-        for before, after in itertools.pairwise(kids):
-            if prof[after.path].start <= prof[before.path].end:
-                clash.update({before.path, after.path})
+        for k, after in enumerate(kids):
+            for before in kids[:k]:
+                if prof[after.path].start <= prof[before.path].end:
+                    # interleaved calls: the module called several times is left out (the
+                    # solver then only checks the points after its sibling); if neither was
+                    # called several times, both
+                    shared = {c.path for c in (before, after) if c.calls > 1}
+                    clash.update(shared or {before.path, after.path})
         return Item(
             path=node.path,
             start=cost.start,

@@ -187,10 +187,13 @@ def solve(root: Item, points: Sequence[tuple[int, int]], budget: int) -> list[It
         cursor = item.start
         for k, child in enumerate(kids):
             here = check(_merge(arriving[k], grid), cursor, child.start)
-            arriving[k + 1].append(run(child, here))
+            if useful[id(child)]:
+                arriving[k + 1].append(run(child, here))
+            else:  # nothing to choose: check the points of its span not checked yet
+                arriving[k + 1].append(check(here, max(cursor, child.start), child.end))
             for j, whole in runs.get(k, []):
                 arriving[j].append(take(whole, here))
-            cursor = child.end
+            cursor = max(cursor, child.end)
         inside = check(_merge(arriving[len(kids)], grid), cursor, item.end)
         if item.candidate and item.freed > 0:
             return _merge([inside, take(item, states)], grid)
