@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 import autoremat
+from autoremat.examples import llama_on_meta
 from autoremat.strategies.budget import Item, min_peak, solve
 
 
@@ -75,24 +76,12 @@ def main() -> None:
         "| case | nodes | budget | solve s | lowest peak search s |",
         "| --- | ---: | --- | ---: | ---: |",
     ]
-    import transformers
-
     from autoremat.plan import planning_tree
 
-    transformers.logging.set_verbosity_error()
-    deep = transformers.LlamaConfig(
-        num_hidden_layers=80,
-        hidden_size=1024,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        intermediate_size=2816,
-        vocab_size=32000,
-        max_position_embeddings=2048,
+    deep_model, deep_args, deep_kwargs = llama_on_meta(
+        layers=80, width=1024, heads=16, ffn=2816, batch=4, sequence=2048
     )
-    with torch.device("meta"):
-        deep_model = transformers.LlamaForCausalLM(deep)
-        deep_ids = torch.randint(0, 32000, (4, 2048))
-    prof = autoremat.profile(deep_model, (), {"input_ids": deep_ids, "labels": deep_ids})
+    prof = autoremat.profile(deep_model, deep_args, deep_kwargs)
     cases = [("Llama, 80 layers (meta profile)", planning_tree(prof), list(prof.points))]
     cases += [(f"random tree, seed {seed}", *random_tree(1000, seed)) for seed in range(2)]
     for label, root, points in cases:
@@ -107,22 +96,11 @@ def main() -> None:
                 f"| {label} | {nodes} | {budget / baseline:.0%} of baseline | "
                 f"{solve_s:.3f} | {search_s:.2f} |"
             )
-    config = transformers.LlamaConfig(
-        num_hidden_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        intermediate_size=11008,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    )
     start = time.perf_counter()
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-        ids = torch.randint(0, 32000, (1, 4096))
+    model, args, kwargs = llama_on_meta()
     built = time.perf_counter() - start
     start = time.perf_counter()
-    plan = autoremat.plan(model, (), {"input_ids": ids, "labels": ids}, budget=0.5)
+    plan = autoremat.plan(model, args, kwargs, budget=0.5)
     planned = time.perf_counter() - start
     lines += [
         "",

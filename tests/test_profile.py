@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import autoremat
-from autoremat.examples import EXAMPLES
+from autoremat.examples import EXAMPLES, llama_on_meta
 
 MiB = 2**20
 MM = 2 * 2048 * 512 * 512  # FLOPs of one (2048 x 512) @ (512 x 512) matmul
@@ -92,20 +92,9 @@ def test_llama_2_7b_shape_on_meta():
     """32 layers, width 4096, sequence 4096, built and profiled without memory. Forward FLOPs
     are 2 x (parameters less the embedding table) x tokens plus attention's
     4 x layers x seq^2 x width (QK^T and AV)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        num_hidden_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        intermediate_size=11008,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    )
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-        ids = torch.randint(0, 32000, (1, 4096))
-    prof = autoremat.profile(model, (), {"input_ids": ids, "labels": ids})
+    pytest.importorskip("transformers")
+    model, args, kwargs = llama_on_meta()
+    prof = autoremat.profile(model, args, kwargs)
     params = sum(p.numel() for p in model.parameters())
     embedding = 32000 * 4096
     expected = 2 * (params - embedding) * 4096 + 4 * 32 * 4096**2 * 4096

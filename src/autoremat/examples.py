@@ -277,6 +277,33 @@ def hf_vit() -> Example:
     return t.ViTForImageClassification(config), (), kwargs
 
 
+def llama_on_meta(
+    layers: int = 32,
+    width: int = 4096,
+    heads: int = 32,
+    ffn: int = 11008,
+    batch: int = 1,
+    sequence: int = 4096,
+) -> Example:
+    """A Hugging Face LlamaForCausalLM built on the ``meta`` device (no memory), Llama-2-7B's
+    shape by default, with meta ``input_ids`` and ``labels``: for profiling and planning big
+    models without their memory. Not in :data:`EXAMPLES`, since nothing on meta can train."""
+    t = _transformers()
+    config = t.LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=width,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=ffn,
+        vocab_size=32000,
+        max_position_embeddings=sequence,
+    )
+    with torch.device("meta"):
+        model = t.LlamaForCausalLM(config)
+        ids = torch.randint(0, 32000, (batch, sequence))
+    return model, (), {"input_ids": ids, "labels": ids}
+
+
 EXAMPLES: dict[str, Callable[[], Example]] = {
     "gpt2": gpt2,
     "cnn": cnn,
