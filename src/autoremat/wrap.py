@@ -7,7 +7,9 @@ calls the split point's own ``forward``.
 To keep every name, ``state_dict`` key and hook of the user's model, the module is not moved into
 a wrapper object: its class is swapped for a subclass made of :class:`Checkpointed` and the
 module's own class (``CheckpointedLinear`` for a ``Linear``). The object, its parameters, buffers
-and place in the model stay the same; :func:`remove` swaps the original class back.
+and place in the model stay the same; :func:`remove` swaps the original class back. A plan entry
+``path[i:j]`` (children ``i..j-1`` of a plain ``nn.Sequential``, recomputed as one) swaps the
+Sequential's class for one made of :class:`CheckpointedRuns` in the same way.
 
 What the wrapped ``forward`` guarantees beyond ``checkpoint`` itself:
 
