@@ -56,6 +56,7 @@ MAX_BYTES = 200  # small integer bytes: the solver's grid step is 1, so it is ex
 freed_st = st.one_of(st.integers(1, 80), st.integers(-30, 0))
 flops_st = st.integers(0, 60)
 peak_st = st.integers(0, MAX_BYTES)
+written_st = st.integers(0, 2)
 
 
 @dataclass(frozen=True)
@@ -76,16 +77,23 @@ def subtree(item: Item) -> frozenset[str]:
     return frozenset(i.path for i in item.walk())
 
 
+def key(item: Item) -> str:
+    """An option's name: its path, and its way of recompute unless whole."""
+    return item.path if item.mode == "full" else f"{item.path}~{item.mode}"
+
+
 def options_of(root: Item) -> dict[str, tuple[Item, frozenset[str]]]:
-    """What a plan may choose: a candidate node that frees bytes, or a run of a candidate
-    node's children that frees bytes (runs belong to the node: a node that cannot be wrapped
-    cannot have its children run as one either)."""
+    """What a plan may choose: a candidate node that frees bytes, one of a candidate node's
+    options (selective recompute) that frees bytes, or a run of a candidate node's children
+    that frees bytes (runs belong to the node: a node that cannot be wrapped cannot have its
+    children run as one either)."""
     found: dict[str, tuple[Item, frozenset[str]]] = {}
     for node in root.walk():
         if not node.candidate:
             continue
-        if node.freed > 0:
-            found[node.path] = (node, subtree(node))
+        for whole in (node, *node.options):
+            if whole.freed > 0:
+                found[key(whole)] = (whole, subtree(node))
         for i, j, freed, flops, peak in node.runs:
             if freed > 0:
                 run = node.run_item(i, j, freed, flops, peak)
@@ -119,6 +127,20 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
             runs = tuple(
                 (a, b, draw(freed_st), draw(flops_st), draw(peak_st)) for a, b in sorted(picked)
             )
+        options = ()
+        if draw(st.booleans()):
+            options = (
+                Item(
+                    path=f"n{i}",
+                    start=start,
+                    end=end,
+                    freed=draw(freed_st),
+                    flops=draw(flops_st),
+                    recompute_peak=draw(peak_st),
+                    written=draw(written_st),
+                    mode="selective",
+                ),
+            )
         return Item(
             path=f"n{i}",
             start=start,
@@ -129,6 +151,8 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
             children=children,
             recompute_peak=draw(peak_st),
             runs=runs,
+            written=draw(written_st),
+            options=options,
         )
 
     root = build(0)
@@ -175,10 +199,10 @@ def assert_valid(case: Case, chosen: list[Item]) -> None:
     node do not overlap)."""
     covered: set[str] = set()
     for item in chosen:
-        assert item.path in case.options, f"{item.path} is not a choosable item"
-        option, cover = case.options[item.path]
+        assert key(item) in case.options, f"{key(item)} is not a choosable item"
+        option, cover = case.options[key(item)]
         assert item == option
-        assert not cover & covered, f"{item.path} overlaps another chosen item"
+        assert not cover & covered, f"{key(item)} overlaps another chosen item"
         covered |= cover
     assert [i.end for i in chosen] == sorted(i.end for i in chosen)
 

@@ -11,14 +11,16 @@ The pipeline is ``model -> tree -> plan -> wrapped model``::
     autoremat.profile(model, args, kwargs)             # per-module costs on the tree
 """
 
+from autoremat.distributed import broadcast_plan
 from autoremat.measure import Measurement, default_loss, measure
 from autoremat.memory import LiveMemory
 from autoremat.plan import Plan, plan
 from autoremat.profile import NodeCost, Profile, profile
-from autoremat.tree import Node, TensorInfo, build_tree
+from autoremat.tree import ExampleInputsError, Node, TensorInfo, build_tree
 from autoremat.wrap import remove, wrapped_paths
 
 __all__ = [
+    "ExampleInputsError",
     "LiveMemory",
     "Measurement",
     "Node",
@@ -26,6 +28,7 @@ __all__ = [
     "Plan",
     "Profile",
     "TensorInfo",
+    "broadcast_plan",
     "build_tree",
     "default_loss",
     "measure",

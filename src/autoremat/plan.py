@@ -7,6 +7,11 @@ budget, from a profile of the step).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +21,7 @@ from torch import nn
 
 from autoremat import wrap
 from autoremat.profile import Profile, profile
+from autoremat.selective import DEFAULT_SAVE_OPS, check_names
 from autoremat.strategies.budget import (
     Infeasible,
     Item,
@@ -27,19 +33,57 @@ from autoremat.strategies.budget import (
 from autoremat.strategies.levels import choose_levels
 from autoremat.tree import Node, build_tree
 
+logger = logging.getLogger("autoremat")
+
+try:
+    from torch.distributed.fsdp import FSDPModule as _FSDP_MODULE
+except ImportError:  # torch built without distributed support
+    _FSDP_MODULE = None
+
 _MiB = 2**20
+# The "format" of a saved plan; Plan.load refuses others.
+FORMAT = "autoremat.plan/1"
 # Bytes a budget plan keeps free below the budget for what the cost model does not see: the
 # recompute's copies of small buffers and statistics, measured at up to a few hundred bytes.
 HEADROOM = 1024
+# A budget this close (a fraction of it) above the lowest reachable peak gets a warning.
+NEAR_LOWEST = 0.02
+
+
+def _own_class(module: nn.Module) -> type:
+    """The module's class before autoremat or FSDP2 (``fully_shard``) swapped it for a
+    subclass of their own (``CheckpointedBlock``, ``FSDPBlock``)."""
+    cls = type(module)
+    while True:
+        if "_autoremat_base" in cls.__dict__:
+            cls = cls._autoremat_base
+        elif _FSDP_MODULE is not None and _FSDP_MODULE in cls.__bases__ and len(cls.__bases__) == 2:
+            cls = next(b for b in cls.__bases__ if b is not _FSDP_MODULE)
+        else:
+            return cls
+
+
+def structure(model: nn.Module) -> tuple[str, ...]:
+    """The module structure of ``model``: ``"path Class"`` for every module in
+    ``named_modules()`` order (``""`` is the root), with the classes modules had before
+    autoremat wrapped them or ``fully_shard`` sharded them."""
+    return tuple(f"{path} {_own_class(m).__qualname__}" for path, m in model.named_modules())
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A short hash of :func:`structure`: equal for models built the same way."""
+    return hashlib.sha256("\n".join(structure(model)).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
 class Choice:
-    """One chosen module of a budget plan: bytes its recompute frees, FLOPs it adds."""
+    """One chosen module of a budget plan: bytes its recompute frees, FLOPs it adds, and how
+    it is recomputed (``"full"`` or ``"selective"``)."""
 
     path: str
     freed: int
     flops: int
+    mode: str = "full"
 
 
 @dataclass(frozen=True)
@@ -47,9 +91,11 @@ class Plan:
     """Which modules of a model to recompute in backward, and how they were chosen.
 
     ``modules`` are qualified names as in ``model.named_modules()`` (``""`` is the model
-    itself), never one inside another. A budget plan also predicts the step peak with and
-    without it (bytes, as :func:`autoremat.measure` defines ``peak``) and the FLOPs its
-    recomputes add. ``print(plan)`` shows the choice and the tree with it marked ``*``.
+    itself), never one inside another; those also in ``selective`` are recomputed
+    selectively: the outputs of the ops in ``save_ops`` are kept (:mod:`autoremat.selective`).
+    A budget plan also predicts the step peak with and without it (bytes, as
+    :func:`autoremat.measure` defines ``peak``) and the FLOPs its recomputes add.
+    ``print(plan)`` shows the choice and the tree with it marked ``*``.
     """
 
     modules: tuple[str, ...]
@@ -61,23 +107,121 @@ class Plan:
     baseline_peak: int | None = None
     recompute_flops: int | None = None
     choices: tuple[Choice, ...] = ()
+    selective: tuple[str, ...] = ()
+    save_ops: tuple[str, ...] = DEFAULT_SAVE_OPS
+    fingerprint: str | None = None
+    structure: tuple[str, ...] = field(default=(), repr=False)
     tree: Node | None = field(default=None, repr=False, compare=False)
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Wrap the plan's modules of ``model`` in place (claim 4) and return ``model``.
 
-        See :func:`autoremat.wrap.apply` for the errors; the model is unchanged when it raises.
+        Raises:
+            ValueError: ``model``'s module structure is not the one the plan was made for
+                (the message names the modules that no longer exist), or see
+                :func:`autoremat.wrap.apply`. The model is unchanged when it raises.
         """
-        return wrap.apply(model, self.modules)
+        self.check(model)
+        return wrap.apply(model, self.modules, selective=self.selective, save_ops=self.save_ops)
+
+    def check(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` unless ``model`` has the module structure the plan was made
+        for (same :func:`fingerprint`); the message names the modules that no longer exist
+        and the ones that are new."""
+        if self.fingerprint is None or fingerprint(model) == self.fingerprint:
+            return
+        now = structure(model)
+        have = {line.split(" ", 1)[0] for line in now}
+        wanted = {e for m in self.modules for e in wrap.covered(m)}
+        missing = sorted(p for p in wanted if p not in have)
+        gone = sorted(set(self.structure) - set(now))
+        new = sorted(set(now) - set(self.structure))
+
+        def names(lines: list[str]) -> str:
+            shown = ", ".join(repr(x if x[:1] != " " else "(root)" + x) for x in lines[:5])
+            return shown + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
+
+        detail = []
+        if missing:
+            detail.append(f"the plan's modules {names(missing)} no longer exist")
+        if gone:
+            detail.append(f"modules no longer there: {names(gone)}")
+        if new:
+            detail.append(f"new modules: {names(new)}")
+        other = type(model).__name__
+        if other != self.model_class:
+            raise ValueError(
+                f"this plan was made for a {self.model_class}, not a {other}: "
+                f"{'; '.join(detail[:1])}. Make a plan from this model "
+                f"(autoremat.plan(model, ...))"
+            )
+        raise ValueError(
+            f"this plan was made for a {self.model_class} with another module structure "
+            f"(fingerprint {self.fingerprint}, the model's is {fingerprint(model)}): "
+            f"{'; '.join(detail) or 'the structure differs'}. Make a new plan from this model "
+            f"(autoremat.plan(model, ...))"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON data (what :meth:`save` writes; no tree)."""
+        return {
+            "format": FORMAT,
+            "model_class": self.model_class,
+            "fingerprint": self.fingerprint,
+            "strategy": self.strategy,
+            "modules": list(self.modules),
+            "segments": self.segments,
+            "budget": self.budget,
+            "estimated_peak": self.estimated_peak,
+            "baseline_peak": self.baseline_peak,
+            "recompute_flops": self.recompute_flops,
+            "choices": [
+                {"path": c.path, "freed": c.freed, "flops": c.flops, "mode": c.mode}
+                for c in self.choices
+            ],
+            "selective": list(self.selective),
+            "save_ops": list(self.save_ops),
+            "structure": list(self.structure),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        """The plan :meth:`to_dict` gave. Raises ``ValueError`` naming the field that is
+        missing or of the wrong type."""
+        return _plan_from_dict(data)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan to ``path`` as indented JSON (see :meth:`to_dict`)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan :meth:`save` wrote. :meth:`apply` then refuses a model whose module
+        structure changed since the plan was made.
+
+        Raises:
+            ValueError: the file is not JSON, or not a plan of this format (the message names
+                the field).
+        """
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{os.fspath(path)!r} is not a saved plan: not JSON ({e})") from None
+        return _plan_from_dict(data, where=repr(os.fspath(path)))
 
     def table(self) -> str:
         """The chosen modules with what each frees and adds, and the predicted peak."""
         if self.strategy != "budget":
             return "\n".join(f"  {p or '(root)'}" for p in self.modules)
         width = max([len(c.path or "(root)") for c in self.choices] + [6])
-        rows = [f"  {'module':{width}}  {'frees MiB':>10}  {'adds GFLOP':>10}"]
+        rows = [f"  {'module':{width}}  {'how':9}  {'frees MiB':>10}  {'adds GFLOP':>10}"]
         rows += [
-            f"  {c.path or '(root)':{width}}  {c.freed / _MiB:>10.2f}  {c.flops / 1e9:>10.3f}"
+            f"  {c.path or '(root)':{width}}  {c.mode:9}  {c.freed / _MiB:>10.2f}  "
+            f"{c.flops / 1e9:>10.3f}"
             for c in self.choices
         ]
         assert self.estimated_peak is not None and self.baseline_peak is not None
@@ -88,6 +232,8 @@ class Plan:
             f"{self.estimated_peak / self.baseline_peak:.0%}), recompute adds "
             f"{self.recompute_flops / 1e9:.3f} GFLOP"
         )
+        if self.selective:
+            rows.append(f"selective recompute keeps the outputs of: {', '.join(self.save_ops)}")
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -118,6 +264,7 @@ def plan(
     segments: int | None = None,
     budget: int | float | str | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    selective: bool = True,
 ) -> Plan:
     """Choose the modules of ``model`` to recompute.
 
@@ -131,6 +278,10 @@ def plan(
     budget (:mod:`autoremat.strategies.budget`). ``budget`` is bytes (int), a fraction of the
     no-recompute peak (float, ``0 < f <= 1``), a percentage (``"50%"``) or a size string
     (``"800MB"``, ``"6GiB"``). A budget at or above the no-recompute peak gives an empty plan.
+    Each chosen module is recomputed whole, or, with ``selective`` (the default), possibly
+    selectively: the outputs of its matrix products, convolutions and attention kernels are
+    kept and only the other ops are recomputed (:mod:`autoremat.selective`); the planner picks
+    whichever fits the budget at the least cost.
 
     Both run the model on the example inputs and leave it as they found it.
 
@@ -140,7 +291,8 @@ def plan(
             lowest peak any plan reaches (the message states that peak); no submodule ran.
         TypeError: ``segments`` not an int, ``budget`` of another type, or ``model`` not an
             ``nn.Module``.
-        RuntimeError: the example inputs fail in forward (the message names the module).
+        ExampleInputsError: (a ValueError) the example inputs fail in forward; the message
+            names the module.
     """
     if segments is not None and budget is not None:
         raise ValueError(
@@ -151,7 +303,7 @@ def plan(
         if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
             parse_budget(budget, 1)  # raises the TypeError that lists the forms
         parse_budget(budget, 1)  # malformed budgets fail before the model runs
-        return _budget_plan(model, args, kwargs, budget, loss_fn)
+        return _budget_plan(model, args, kwargs, budget, loss_fn, selective)
     segments = 3 if segments is None else segments
     if isinstance(segments, bool) or not isinstance(segments, int):
         raise TypeError(f"segments must be an int, got {type(segments).__name__}")
@@ -165,7 +317,102 @@ def plan(
         strategy="levels",
         model_class=type(model).__name__,
         segments=segments,
+        fingerprint=fingerprint(model),
+        structure=structure(model),
         tree=tree,
+    )
+
+
+def _plan_from_dict(data: Any, where: str = "the data") -> Plan:
+    """Validate ``data`` field by field and build the :class:`Plan` (see :meth:`Plan.load`)."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{where} is not a saved autoremat plan: {why}")
+
+    if not isinstance(data, dict):
+        raise bad(f"expected a JSON object, got {type(data).__name__}")
+    if data.get("format") != FORMAT:
+        raise bad(f"'format' is {data.get('format')!r}, expected {FORMAT!r}")
+
+    def get(key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
+        if key not in data:
+            raise bad(f"field {key!r} is missing")
+        value = data[key]
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise bad(f"field {key!r} is {value!r}, expected {_kind_name(kind)}")
+        return value
+
+    def strings(key: str) -> tuple[str, ...]:
+        value = get(key, list)
+        if not all(isinstance(x, str) for x in value):
+            raise bad(f"field {key!r} must be a list of strings")
+        return tuple(value)
+
+    def count(key: str) -> int | None:
+        value = get(key, int, optional=True)
+        if value is not None and value < 0:
+            raise bad(f"field {key!r} is {value}, expected a count >= 0")
+        return value
+
+    strategy = get("strategy", str)
+    if strategy not in ("levels", "budget"):
+        raise bad(f"field 'strategy' is {strategy!r}, expected 'levels' or 'budget'")
+    modules = strings("modules")
+    for entry in modules:
+        if not _ENTRY.fullmatch(entry):
+            raise bad(f"module entry {entry!r} is not a module path or path[i:j]")
+    choices = []
+    for c in get("choices", list):
+        if not (
+            isinstance(c, dict)
+            and isinstance(c.get("path"), str)
+            and all(
+                isinstance(c.get(k), int) and not isinstance(c.get(k), bool)
+                for k in ("freed", "flops")
+            )
+            and c.get("mode", "full") in ("full", "selective")
+        ):
+            raise bad(
+                f"choice {c!r} must be an object with path (str), freed and flops (int), "
+                f"mode ('full' or 'selective')"
+            )
+        choices.append(Choice(c["path"], c["freed"], c["flops"], c.get("mode", "full")))
+    selective = strings("selective")
+    odd = [e for e in selective if e not in modules]
+    if odd:
+        raise bad(f"selective entries {odd[:5]!r} are not among 'modules'")
+    try:
+        save_ops = check_names(strings("save_ops"))
+    except (TypeError, ValueError) as e:
+        raise bad(f"field 'save_ops': {e}") from None
+    fp = get("fingerprint", str, optional=True)
+    return Plan(
+        modules=modules,
+        strategy=strategy,
+        model_class=get("model_class", str),
+        segments=count("segments"),
+        budget=count("budget"),
+        estimated_peak=count("estimated_peak"),
+        baseline_peak=count("baseline_peak"),
+        recompute_flops=count("recompute_flops"),
+        choices=tuple(choices),
+        selective=selective,
+        save_ops=save_ops,
+        fingerprint=fp,
+        structure=strings("structure"),
+    )
+
+
+_ENTRY = re.compile(r"[^\s\[\]]*(\[\d+:\d+\])?")
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(
+        {"str": "a string", "int": "an integer", "list": "a list"}.get(k.__name__, k.__name__)
+        for k in kinds
     )
 
 
@@ -177,12 +424,17 @@ def _require_submodules(model: nn.Module, tree: Node) -> None:
         )
 
 
-def planning_tree(prof: Profile) -> Item:
+def planning_tree(
+    prof: Profile, selective: bool = True, skipped: dict[str, str] | None = None
+) -> Item:
     """The budget strategy's view of a profile: one :class:`Item` per node, children in the
     order they ended. A module called several times whose calls interleave with a sibling's
     (a dropout used after attention and after the MLP), and its descendants, are not
     candidates: the cost model places each node at one span. Modules that cannot be wrapped
-    are not candidates either."""
+    are not candidates either. With ``selective``, each candidate has a second way to be
+    recomputed: selectively (its option, :class:`Item` ``mode="selective"``). The modules left
+    out that would have freed memory are written to ``skipped``, with the reason."""
+    skipped = {} if skipped is None else skipped
 
     def buffer_bytes(module: nn.Module) -> int:
         # the wrap copies the module's buffers around each recompute (wrap.py)
@@ -191,8 +443,16 @@ def planning_tree(prof: Profile) -> Item:
     def wrappable(module: nn.Module) -> bool:
         return not isinstance(module, torch.jit.ScriptModule) and "forward" not in vars(module)
 
-    def build(node: Node, allowed: bool) -> Item:
+    def build(node: Node, allowed: bool, why: str = "") -> Item:
         cost = prof[node.path]
+        if not allowed and why and cost.freeable > 0:
+            skipped[node.path] = why
+        elif allowed and not wrappable(node.module) and cost.freeable > 0:
+            skipped[node.path] = (
+                "it is a TorchScript module"
+                if isinstance(node.module, torch.jit.ScriptModule)
+                else "its forward was replaced on the instance"
+            )
         kids = sorted(node.children, key=lambda c: prof[c.path].end)
         clash = set()
         for k, after in enumerate(kids):
@@ -203,6 +463,21 @@ def planning_tree(prof: Profile) -> Item:
                     # called several times, both
                     shared = {c.path for c in (before, after) if c.calls > 1}
                     clash.update(shared or {before.path, after.path})
+        recompute_peak = cost.recompute_peak + buffer_bytes(node.module)
+        options = ()
+        if selective and cost.selective_freeable > 0 and cost.selective_flops < cost.flops:
+            options = (
+                Item(
+                    path=node.path,
+                    start=cost.start,
+                    end=cost.end,
+                    freed=cost.selective_freeable,
+                    flops=cost.selective_flops,
+                    recompute_peak=recompute_peak,
+                    written=cost.selective_written,
+                    mode="selective",
+                ),
+            )
         return Item(
             path=node.path,
             start=cost.start,
@@ -210,8 +485,17 @@ def planning_tree(prof: Profile) -> Item:
             freed=cost.freeable,
             flops=cost.flops,
             candidate=allowed and wrappable(node.module),
-            children=tuple(build(c, allowed and c.path not in clash) for c in kids),
-            recompute_peak=cost.recompute_peak + buffer_bytes(node.module),
+            children=tuple(
+                build(
+                    c,
+                    allowed and c.path not in clash,
+                    "it runs several times, interleaved with a sibling's calls"
+                    if allowed and c.path in clash
+                    else "",
+                )
+                for c in kids
+            ),
+            recompute_peak=recompute_peak,
             runs=tuple(
                 (
                     i,
@@ -224,6 +508,8 @@ def planning_tree(prof: Profile) -> Item:
             )
             if allowed
             else (),
+            written=cost.written,
+            options=options,
         )
 
     return build(prof.tree, True)
@@ -235,11 +521,22 @@ def _budget_plan(
     kwargs: dict[str, Any] | None,
     budget: int | float | str,
     loss_fn: Callable[[Any], torch.Tensor] | None,
+    selective: bool,
 ) -> Plan:
     prof = profile(model, args, kwargs, loss_fn=loss_fn)
     _require_submodules(model, prof.tree)
     limit = parse_budget(budget, prof.peak)
-    root = planning_tree(prof)
+    skipped: dict[str, str] = {}
+    root = planning_tree(prof, selective, skipped)
+    if skipped:
+        logger.warning(
+            "%d module(s) of %s cannot be recomputed on their own and were left out of the "
+            "plan (their parents can still be chosen): %s",
+            len(skipped),
+            type(model).__name__,
+            "; ".join(f"{p!r}: {why}" for p, why in list(skipped.items())[:5])
+            + (" ..." if len(skipped) > 5 else ""),
+        )
     try:
         chosen = [] if limit >= prof.peak else solve(root, prof.points, limit - HEADROOM)
     except Infeasible:
@@ -251,6 +548,20 @@ def _budget_plan(
             f"recompute; about {lowest} bytes). Try budget={lowest}, a smaller batch, or "
             f"mixed precision."
         ) from None
+    if chosen and limit < prof.peak:
+        try:
+            solve(root, prof.points, int(limit * (1 - NEAR_LOWEST)) - HEADROOM)
+        except Infeasible:
+            logger.warning(
+                "budget %.2f MiB is within %.0f%% of the lowest peak recomputing modules of %s "
+                "reaches: the plan recomputes about all it can (%d entries, %.3f GFLOP more); a "
+                "slightly larger budget may cost much less",
+                limit / _MiB,
+                NEAR_LOWEST * 100,
+                type(model).__name__,
+                len(chosen),
+                sum(i.flops for i in chosen) / 1e9,
+            )
     return Plan(
         modules=tuple(i.path for i in chosen),
         strategy="budget",
@@ -259,6 +570,9 @@ def _budget_plan(
         estimated_peak=predict_peak(prof.points, chosen),
         baseline_peak=prof.peak,
         recompute_flops=sum(i.flops for i in chosen),
-        choices=tuple(Choice(i.path, i.freed, i.flops) for i in chosen),
+        choices=tuple(Choice(i.path, i.freed, i.flops, i.mode) for i in chosen),
+        selective=tuple(i.path for i in chosen if i.mode == "selective"),
+        fingerprint=fingerprint(model),
+        structure=structure(model),
         tree=prof.tree,
     )

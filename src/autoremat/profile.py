@@ -9,6 +9,12 @@ to the innermost module of the tree that was running when it arose:
   inputs) do not count: they are not activations and recompute cannot free them.
 * **flops**: forward FLOPs, with the formulas of ``torch.utils.flop_counter`` (matmuls,
   convolutions, attention; pointwise ops count zero there).
+* **written**: bytes of the new storages its forward's ops wrote (what a recompute writes
+  again; pointwise ops cost time for these bytes though they count no FLOPs).
+* **selective**: what recomputing the node selectively would free and cost: the outputs of
+  the expensive ops (:data:`autoremat.selective.DEFAULT_SAVE_OPS`) stay in the checkpoint's
+  cache, so they are not freed (and cost memory when nothing else kept them), and those ops'
+  FLOPs and bytes are not spent again.
 * **seconds**: forward wall time, measured in a separate forward with only timing hooks; on the
   ``meta`` device, where nothing runs, estimated from FLOPs.
 
@@ -21,11 +27,12 @@ construction. A shared module's costs, whichever parent called it, are counted a
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autoremat.memory import LiveMemory
+from autoremat.selective import DEFAULT_SAVE_OPS, resolve
 from autoremat.snapshot import preserved
 from autoremat.tree import Node, build_tree, iter_tensors, run_model
 from autoremat.wrap import wrapped_paths
@@ -56,6 +64,9 @@ class NodeCost:
     temporaries a recompute adds at that moment); 0 when its backward never ran.
     ``runs`` is set for a plain ``nn.Sequential``: ``(i, j, freeable, recompute_peak)`` for each
     run ``[i:j)`` of two or more consecutive children, which can be recomputed as one.
+    ``written`` is the bytes of new storages its forward's ops wrote. ``selective_*`` are
+    ``freeable``, ``flops`` and ``written`` for a selective recompute that keeps the outputs
+    of the expensive ops (:mod:`autoremat.selective`).
     """
 
     path: str
@@ -73,6 +84,10 @@ class NodeCost:
     end: int = 0
     recompute_peak: int = 0
     runs: tuple[tuple[int, int, int, int], ...] = ()
+    written: int = 0
+    selective_freeable: int = 0
+    selective_flops: int = 0
+    selective_written: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,21 +141,58 @@ class Profile:
         return self.render()
 
 
-class _OpCosts(TorchDispatchMode):
-    """Adds each op's FLOPs (``torch.utils.flop_counter`` formulas) to the running module."""
+@dataclass
+class _OwnOps:
+    """What the ops a module ran itself (not in a child) cost, for one module."""
 
-    def __init__(self, stack: list[str], flops: dict[str, int]) -> None:
+    flops: int = 0
+    written: int = 0
+    kept_flops: int = 0
+    kept_written: int = 0
+    # the storages a selective recompute would keep: id -> (storage key, bytes)
+    kept: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+class _OpCosts(TorchDispatchMode):
+    """Adds each forward op's FLOPs (``torch.utils.flop_counter`` formulas) and the bytes of
+    the new storages it wrote to the running module, apart for the ops whose outputs a
+    selective recompute keeps."""
+
+    def __init__(self, stack: list[str], own: dict[str, _OwnOps]) -> None:
         super().__init__()
         self.stack = stack
-        self.flops = flops
+        self.own = own
         self.counting = True
+        self.keep = resolve(DEFAULT_SAVE_OPS)
+        # storage key -> id of the kept output that has it now (a key can be reused once the
+        # storage is freed: ids tell the storages apart)
+        self.current: dict[int, int] = {}
+        self.ids = itertools.count()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket) if self.counting else None
-        if formula is not None:
-            self.flops[self.stack[-1]] += formula(*args, **kwargs, out_val=out)
+        if not self.counting:
+            return out
+        own = self.own[self.stack[-1]]
+        formula = flop_registry.get(func._overloadpacket)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        seen = {_storage_key(t) for _, t in iter_tensors((args, kwargs))}
+        new = {}
+        for _, t in iter_tensors(out):
+            key = _storage_key(t)
+            if key not in seen:
+                new[key] = t.untyped_storage().nbytes()
+                self.current.pop(key, None)
+        written = sum(new.values())
+        own.flops += flops
+        own.written += written
+        if func._overloadpacket in self.keep:
+            own.kept_flops += flops
+            own.kept_written += written
+            for key, size in new.items():
+                self.current[key] = uid = next(self.ids)
+                own.kept[uid] = (key, size)
         return out
 
 
@@ -189,7 +241,8 @@ def profile(
     Raises:
         ValueError: the model has modules wrapped by autoremat (remove them first), or the
             loss is not a scalar that requires grad.
-        RuntimeError: the example inputs fail in forward (the message names the module).
+        ExampleInputsError: (a ValueError) the example inputs fail in forward; the message
+            names the module.
     """
     from autoremat.measure import _leaf_inputs, _restored, _step, default_loss
 
@@ -206,7 +259,7 @@ def profile(
     meta = any(t.device.type == "meta" for t in [*inputs, *model.parameters()])
     stack: list[str] = [""]
     own_saved: dict[str, int] = defaultdict(int)
-    own_flops: dict[str, int] = defaultdict(int)
+    own_ops: dict[str, _OwnOps] = defaultdict(_OwnOps)
     savers: dict[int, tuple[int, set[str]]] = {}  # storage -> (bytes, innermost savers)
     input_keys: dict[str, dict[int, int]] = defaultdict(dict)  # node -> {storage: bytes}
     progress = _Progress(sum(n.calls for n in tree.walk()))
@@ -214,7 +267,8 @@ def profile(
     # (kind, path, peak since the previous event, live bytes now)
     events: list[tuple[str, str, int, int]] = []
     grad_hooks: list[Any] = []
-    costs_mode = _OpCosts(stack, own_flops)
+    costs_mode = _OpCosts(stack, own_ops)
+    kept_savers: dict[int, set[str]] = defaultdict(set)  # kept output id -> who saved it
 
     def mark(kind: str, path: str) -> None:
         events.append((kind, path, memory.peak, memory.current))
@@ -228,6 +282,9 @@ def profile(
             savers[key] = (t.untyped_storage().nbytes(), set())
             own_saved[stack[-1]] += t.untyped_storage().nbytes()
         savers[key][1].add(stack[-1])
+        uid = costs_mode.current.get(key)
+        if uid is not None:
+            kept_savers[uid].add(stack[-1])
         return t
 
     def enter(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any], path: str) -> None:
@@ -283,16 +340,24 @@ def profile(
 
     costs: dict[str, NodeCost] = {}
 
-    def total(node: Node) -> NodeCost:
-        kids = [total(c) for c in node.children]
+    def total(node: Node) -> tuple[NodeCost, dict[int, tuple[int, int]]]:
+        below = [total(c) for c in node.children]
+        kids = [k for k, _ in below]
+        own = own_ops[node.path]
+        kept = dict(own.kept)  # the storages a selective recompute of the node keeps
+        for _, k in below:
+            kept.update(k)
         params = {id(p): p for p in node.module.parameters()}
-        flops = own_flops[node.path] + sum(k.flops for k in kids)
+        flops = own.flops + sum(k.flops for k in kids)
+        written = own.written + sum(k.written for k in kids)
+        kept_flops = own.kept_flops + sum(k.flops - k.selective_flops for k in kids)
+        kept_written = own.kept_written + sum(k.written - k.selective_written for k in kids)
         cost = NodeCost(
             path=node.path,
             saved=own_saved[node.path] + sum(k.saved for k in kids),
             own_saved=own_saved[node.path],
             flops=flops,
-            own_flops=own_flops[node.path],
+            own_flops=own.flops,
             seconds=flops / META_FLOPS_PER_SECOND if meta else own_seconds[node.path],
             input_bytes=node.input_bytes,
             output_bytes=node.output_bytes,
@@ -303,9 +368,14 @@ def profile(
             end=spans[node.path][1],
             recompute_peak=recompute.get(node.path, 0),
             runs=runs.get(node.path, ()),
+            written=written,
+            selective_freeable=freeable[node.path]
+            - _kept_cost(node.path, kept, kept_savers, input_keys[node.path]),
+            selective_flops=flops - kept_flops,
+            selective_written=written - kept_written,
         )
         costs[node.path] = cost
-        return cost
+        return cost, kept
 
     total(tree)
     ordered = {n.path: costs[n.path] for n in tree.walk()}
@@ -379,6 +449,28 @@ def _timeline(tree: Node, events: list[tuple[str, str, int, int]]) -> tuple[Any,
     return spans, tuple(sorted(peaks.items())), recompute, event_spans, backward_now
 
 
+def _inside(path: str, ancestor: str) -> bool:
+    return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
+
+
+def _kept_cost(
+    path: str,
+    kept: dict[int, tuple[int, int]],
+    savers: dict[int, set[str]],
+    inputs: dict[int, int],
+) -> int:
+    """Bytes that a selective recompute of ``path`` frees less than a full one: the kept
+    storages the full recompute would have freed (saved only inside it), and those nothing
+    saved (the cache holds them until the node's backward, when they would have been gone)."""
+    lost = 0
+    for uid, (key, size) in kept.items():
+        if key in inputs:
+            continue
+        if all(_inside(p, path) for p in savers.get(uid, ())):
+            lost += size
+    return lost
+
+
 def _freeable(
     tree: Node, savers: dict[int, tuple[int, set[str]]], input_keys: dict[str, dict[int, int]]
 ) -> dict[str, int]:
@@ -394,9 +486,6 @@ def _freeable(
         for child in node.children:
             parent[child.path] = node.path
             depth[child.path] = depth[node.path] + 1
-
-    def inside(path: str, ancestor: str) -> bool:
-        return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
 
     freeable: dict[str, int] = defaultdict(int)
     for key, (size, who) in savers.items():
@@ -419,7 +508,7 @@ def _freeable(
             node = parent[node]
     for node in tree.walk():
         for key, size in input_keys[node.path].items():
-            saved_inside = key in savers and any(inside(p, node.path) for p in savers[key][1])
+            saved_inside = key in savers and any(_inside(p, node.path) for p in savers[key][1])
             if not saved_inside:
                 freeable[node.path] -= size
     return freeable

@@ -157,6 +157,11 @@ def run_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | 
     return model(*args, **(kwargs or {}))
 
 
+class ExampleInputsError(ValueError, RuntimeError):
+    """The example inputs failed in the model's forward; the message names the module where.
+    A ``ValueError`` (a bad argument), and a ``RuntimeError`` like the error it wraps."""
+
+
 def build_tree(
     model: nn.Module,
     args: tuple[Any, ...] | Any = (),
@@ -171,8 +176,8 @@ def build_tree(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        RuntimeError: the forward pass failed; the message names the innermost module that was
-            running when it failed.
+        ExampleInputsError: (a ``ValueError``) the forward pass failed; the message names the
+            innermost module that was running when it failed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -205,7 +210,7 @@ def build_tree(
                 run_model(model, args, kwargs)
             except Exception as exc:
                 where = running[-1] if running else ""
-                raise RuntimeError(
+                raise ExampleInputsError(
                     f"the example inputs failed in the forward pass of module "
                     f"{where or '(root)'!r} ({type(exc).__name__}: {exc}); pass args/kwargs "
                     f"that model(*args, **kwargs) accepts"

@@ -22,6 +22,9 @@ What the wrapped ``forward`` guarantees beyond ``checkpoint`` itself:
   since the forward (a Hugging Face key/value cache filled by the forward, an input tensor
   written to): the recompute would compute something else, so it raises a
   :class:`~torch.utils.checkpoint.CheckpointError` that names the module and the input;
+* a module wrapped *selectively* (``apply(..., selective=[...])``) keeps the outputs of its
+  ``save_ops`` from the forward and recomputes only the other ops
+  (:mod:`autoremat.selective`, through ``checkpoint``'s ``context_fn``);
 * Hugging Face models (modules with a ``config.use_cache`` and a ``use_cache`` argument) are
   called with ``use_cache=False`` while training with gradients enabled, as Hugging Face's own
   gradient checkpointing does; a warning is logged once.
@@ -40,12 +43,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 from torch.utils.checkpoint import CheckpointError, checkpoint
+
+from autoremat import selective as _selective
 
 logger = logging.getLogger("autoremat")
 
 _PATH_ATTR = "_autoremat_path"
 _RUNS_ATTR = "_autoremat_runs"
+_SAVE_ATTR = "_autoremat_save_ops"
 _cache_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
@@ -66,7 +73,9 @@ class Checkpointed(Wrapped):
         own_forward = functools.partial(type(self)._autoremat_base.forward, self)
         if not torch.is_grad_enabled():
             return own_forward(*args, **kwargs)
-        return _checkpoint(self.__dict__.get(_PATH_ATTR, ""), [self], own_forward, args, kwargs)
+        path = self.__dict__.get(_PATH_ATTR, "")
+        save_ops = self.__dict__.get(_SAVE_ATTR)
+        return _checkpoint(path, [self], own_forward, args, kwargs, save_ops)
 
 
 class CheckpointedRuns(Wrapped):
@@ -104,20 +113,37 @@ def _chain(modules: list[nn.Module]) -> Any:
 
 
 def _checkpoint(
-    label: str, owners: list[nn.Module], fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    label: str,
+    owners: list[nn.Module],
+    fn: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    save_ops: tuple[str, ...] | None = None,
 ) -> Any:
-    """``checkpoint(fn, *args, **kwargs)``, non-reentrant, with the recompute guarded."""
+    """``checkpoint(fn, *args, **kwargs)``, non-reentrant, with the recompute guarded; with
+    ``save_ops``, selective (the outputs of those ops are kept, the rest recomputed)."""
+    extra: dict[str, Any] = {}
+    if save_ops is not None:
+        extra["context_fn"] = _selective.context_fn(save_ops)
     if torch.compiler.is_compiling():
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
     call = _Call(label, owners)
 
-    def run_forward(*a: Any, **k: Any) -> Any:
-        """The wrapper function: the split point's own forward, guarded on recompute."""
+    def run_forward(*a: Any) -> Any:
+        """The wrapper function: the split point's own forward, guarded on recompute. The
+        keyword arguments arrive as the last positional one (see below)."""
+        *pos, k = a
         if call.first:
-            return call.first_run(fn, a, k)
-        return call.recompute(fn, a, k)
+            return call.first_run(fn, tuple(pos), k)
+        return call.recompute(fn, tuple(pos), k)
 
-    return checkpoint(run_forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    # The keyword arguments travel as one positional dict: checkpoint saves and replays the
+    # CUDA RNG state only of the devices of the tensors among its positional arguments, so a
+    # module given its tensors by keyword (Hugging Face Llama's self_attn) would draw other
+    # dropout masks in the recompute than in the forward on a GPU.
+    return checkpoint(
+        run_forward, *args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra
+    )
 
 
 class _Call:
@@ -142,16 +168,19 @@ class _Call:
             raise CheckpointError(self._changed_message(now))
         # Kernels such as batch_norm update running statistics without bumping the tensor's
         # version counter, so compare values: put back every buffer the recompute changed.
-        saved = [
-            (b, b.detach().clone())
-            for m in self.owners
-            for b in m.buffers()
-            if b.device.type != "meta"
-        ]
+        # (outside any dispatch mode: selective checkpointing's would take these copies for
+        # ops of the recompute)
+        with _no_dispatch_modes():
+            saved = [
+                (b, b.detach().clone())
+                for m in self.owners
+                for b in m.buffers()
+                if b.device.type != "meta"
+            ]
         try:
             return fn(*args, **kwargs)
         finally:
-            with torch.no_grad():
+            with torch.no_grad(), _no_dispatch_modes():
                 for buffer, value in saved:
                     if not torch.equal(buffer, value):
                         buffer.copy_(value)
@@ -181,10 +210,18 @@ def _state_signature(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[tuple[str, int, tuple[int, ...], int]]:
     """Identity, shape and version of every tensor reachable from the inputs, also inside
-    plain objects (a key/value cache), up to a small depth."""
+    plain objects (a key/value cache), up to a small depth.
+
+    Positional tensors are left out: checkpoint saves those itself and checks their version
+    when it gives them back, or saved-tensor hooks (``torch.autograd.graph.save_on_cpu``)
+    give back another object holding the value they packed. Depth 6 reaches the tensors of a
+    Hugging Face ``EncoderDecoderCache`` (cache -> DynamicCache -> layers -> layer -> keys).
+    """
+    own = {f"inputs[0][{i}]" for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
     return [
         (where, id(t), tuple(t.shape), _version(t))
-        for where, t in _reachable_tensors((args, kwargs), "inputs", 4)
+        for where, t in _reachable_tensors((args, kwargs), "inputs", 6)
+        if where not in own
     ]
 
 
@@ -232,7 +269,16 @@ def wrapped_paths(model: nn.Module) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _covered(entry: str) -> list[str]:
+def selective_paths(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The modules :func:`apply` wrapped selectively, with the ops whose outputs they keep."""
+    return {
+        p: m.__dict__[_SAVE_ATTR]
+        for p, m in model.named_modules()
+        if isinstance(m, Checkpointed) and m.__dict__.get(_SAVE_ATTR) is not None
+    }
+
+
+def covered(entry: str) -> list[str]:
     """The module paths a plan entry recomputes (a run covers its children)."""
     match = _RUN.fullmatch(entry)
     if match is None:
@@ -245,21 +291,39 @@ def _inside(inner: str, outer: str) -> bool:
     return outer == "" or inner == outer or inner.startswith(outer + ".")
 
 
-def apply(model: nn.Module, paths: Sequence[str]) -> nn.Module:
+def apply(
+    model: nn.Module,
+    paths: Sequence[str],
+    *,
+    selective: Sequence[str] = (),
+    save_ops: Sequence[str] = _selective.DEFAULT_SAVE_OPS,
+) -> nn.Module:
     """Wrap the plan entries ``paths`` of ``model`` in place; return ``model``.
 
     An entry is a module's qualified name (as in ``model.named_modules()``), or ``path[i:j]``:
     the run of children ``i..j-1`` of the plain ``nn.Sequential`` at ``path``, recomputed as
-    one. Nothing is changed when the call raises. Applying the same entries to a model that
-    already has them wrapped is a no-op.
+    one. The entries also in ``selective`` (module paths, not runs) are recomputed
+    selectively: the outputs of the ops in ``save_ops`` are kept from the forward, the other
+    ops run again (:mod:`autoremat.selective`). Nothing is changed when the call raises.
+    Applying the same entries to a model that already has them wrapped is a no-op.
 
     Raises:
         ValueError: an entry names no module of ``model`` (the message lists them), or a run
             that is not inside a plain ``nn.Sequential``; one entry is inside another (the
             recomputes would nest); the model already has other entries wrapped (call
             :func:`remove` first); or a module cannot be wrapped (a ``torch.jit.ScriptModule``,
-            or one whose ``forward`` was replaced on the instance).
+            or one whose ``forward`` was replaced on the instance); a ``selective`` entry
+            not in ``paths`` or a run; a ``save_ops`` name not of the form ``"aten.mm"``.
+        TypeError: ``save_ops`` not a sequence of strings.
     """
+    save_ops = _selective.check_names(save_ops)
+    odd = [e for e in selective if e not in paths or _RUN.fullmatch(e)]
+    if odd:
+        raise ValueError(
+            f"selective entries must be module paths among the plan's entries: "
+            f"{', '.join(map(repr, odd[:5]))} {'is' if len(odd) == 1 else 'are'} not"
+        )
+    wanted_selective = {e: save_ops for e in selective}
     modules = dict(model.named_modules())
     missing = [e for e in paths if (_RUN.fullmatch(e) or [None, e])[1] not in modules]
     if missing:
@@ -270,14 +334,14 @@ def apply(model: nn.Module, paths: Sequence[str]) -> nn.Module:
         )
     already = wrapped_paths(model)
     if already:
-        if set(already) == set(paths):
+        if set(already) == set(paths) and selective_paths(model) == wanted_selective:
             return model
         raise ValueError(
             f"{type(model).__name__} already has {len(already)} wrapped modules from another "
             f"plan; call autoremat.remove(model) before applying a new one"
         )
     chosen = sorted(set(paths))
-    covers = {e: _covered(e) for e in chosen}
+    covers = {e: covered(e) for e in chosen}
     for a, b in itertools.combinations(chosen, 2):
         for x in covers[a]:
             for y in covers[b]:
@@ -307,6 +371,8 @@ def apply(model: nn.Module, paths: Sequence[str]) -> nn.Module:
             m = modules[e]
             m.__class__ = _wrapped_class(Checkpointed, type(m))
             m.__dict__[_PATH_ATTR] = e
+            if e in wanted_selective:
+                m.__dict__[_SAVE_ATTR] = save_ops
     for parent, spans in runs.items():
         seq = modules[parent]
         seq.__class__ = _wrapped_class(CheckpointedRuns, type(seq))
@@ -333,18 +399,27 @@ def remove(model: nn.Module) -> nn.Module:
     The module objects are the same ones throughout (wrapping never replaced them), so after
     ``remove`` the model is the original one. A model that was never wrapped is returned
     unchanged (a no-op, not an error).
+
+    Raises:
+        ValueError: a wrapped module had its class swapped again after :func:`apply` (as
+            ``torch.distributed.fsdp.fully_shard`` does to each module it shards, making
+            ``FSDPCheckpointed<Cls>``); the message names it. Nothing is changed then.
     """
+    for m in model.modules():
+        if isinstance(m, Wrapped) and "_autoremat_base" not in type(m).__dict__:
+            raise ValueError(
+                f"module {m.__dict__.get(_PATH_ATTR)!r} had its class changed again after "
+                f"autoremat wrapped it ({type(m).__name__}, e.g. by fully_shard); autoremat "
+                f"cannot undo its wrap under that class, and changed nothing: undo the other "
+                f"change first, or rebuild the model"
+            )
     for m in model.modules():
         if isinstance(m, Wrapped):
             cls = type(m)
-            if "_autoremat_base" not in cls.__dict__:
-                raise ValueError(
-                    f"module {m.__dict__.get(_PATH_ATTR)!r} had its class changed again after "
-                    f"autoremat wrapped it ({cls.__name__}); undo that first"
-                )
             m.__class__ = cls._autoremat_base
             m.__dict__.pop(_PATH_ATTR, None)
             m.__dict__.pop(_RUNS_ATTR, None)
+            m.__dict__.pop(_SAVE_ATTR, None)
     for m in model.modules():
         handle = _cache_hooks.pop(m, None)
         if handle is not None:

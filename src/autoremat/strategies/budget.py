@@ -20,17 +20,17 @@ Cost model (see NOTE in the README for the reasoning and the measured error):
 
 The solver is exact under that model: a dynamic programme over the tree in execution order
 whose state is the set of Pareto-optimal ``(bytes freed so far, cost so far)`` pairs. At each
-node it either recomputes the node whole (allowed when every point inside the node's span
-already fits with what was freed before it), or, for a plain ``nn.Sequential``, a run of two
-or more consecutive children as one, or descends into its children. Points are checked as the
-walk passes them, so every kept state is feasible so far; a state with more bytes freed and
-less cost dominates, since what is feasible later depends only on the bytes freed. Bytes freed
-are counted up to the largest excess over the budget (more is worth nothing). Past
-``MAX_STATES`` states, the frontier keeps one state per ``1/MAX_STATES`` of that excess, the one
-that freed most: no feasible answer is lost, and the cost may exceed the optimum by what
-separates states within one step (never on small trees, where the frontier stays below it).
-The work is ``O((nodes + runs) x frontier)``; ``runs`` is at most ``MAX_RUN`` per child of a
-Sequential.
+node it either recomputes the node whole, in any of its ways (allowed when every point inside
+the node's span already fits with what was freed before it), or, for a plain
+``nn.Sequential``, a run of two or more consecutive children as one, or descends into its
+children. Points are checked as the walk passes them, so every kept state is feasible so far;
+a state with more bytes freed and less cost dominates, since what is feasible later depends
+only on the bytes freed. Bytes freed are counted up to the largest excess over the budget
+(more is worth nothing). Past ``MAX_STATES`` states, the frontier keeps one state per
+``1/MAX_STATES`` of that excess, the one that freed most: no feasible answer is lost, and the
+cost may exceed the optimum by what separates states within one step (never on small trees,
+where the frontier stays below it). The work is ``O((nodes x ways + runs) x frontier)``;
+``runs`` is at most ``MAX_RUN`` per child of a Sequential.
 """
 
 from __future__ import annotations
@@ -45,8 +45,12 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_STATES = 1024
-# Recompute cost charged per byte of activations a module recreates, in FLOPs.
-COST_PER_BYTE = 1.0
+# Recompute cost charged per byte the recomputed ops write, in FLOPs: a machine balance (FLOP/s
+# over bytes/s of memory traffic, a written byte being read about once too). About 10-30 on
+# the CPUs here, over 100 on a GPU's tensor cores; 32 makes a recompute that writes much and
+# computes little cost what it takes, without letting bytes outweigh matrix products.
+COST_PER_BYTE = 32.0
+TIE_PER_BYTE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,10 @@ class Item:
     # runs [i:j) of two or more children that can be recomputed as one (a plain Sequential):
     # (i, j, freed, flops, recompute_peak)
     runs: tuple[tuple[int, int, int, int, int], ...] = ()
+    written: int = 0  # bytes the recompute's ops write
+    # other ways to recompute this node whole (same path and span, no children)
+    options: tuple[Item, ...] = ()
+    mode: str = "full"  # how this item recomputes: "full", or an option's name ("selective")
 
     def run_item(self, i: int, j: int, freed: int, flops: int, recompute_peak: int) -> Item:
         """The run ``[i:j)`` of this node's children as one item, named ``path[i:j]``."""
@@ -78,7 +86,14 @@ class Item:
 
     @property
     def cost(self) -> float:
-        return self.flops + COST_PER_BYTE * self.freed
+        # (the bytes freed break ties: of two equally costly ways, the one that frees less)
+        return self.flops + COST_PER_BYTE * self.written + TIE_PER_BYTE * max(0, self.freed)
+
+    def wholes(self) -> list[Item]:
+        """The ways to recompute this node whole that free bytes: itself and its options."""
+        if not self.candidate:
+            return []
+        return [i for i in (self, *self.options) if i.freed > 0]
 
     def walk(self) -> list[Item]:
         out = [self]
@@ -139,14 +154,18 @@ def solve(root: Item, points: Sequence[tuple[int, int]], budget: int) -> list[It
     for p, b in points:
         need[p] = max(need[p], b)
     # Bytes freed beyond the largest excess over the budget are worth no more.
-    cap = max(0, max(need) - budget, *(i.recompute_peak - budget for i in root.walk()))
+    cap = max(
+        0,
+        max(need) - budget,
+        *(w.recompute_peak - budget for i in root.walk() for w in (i, *i.options)),
+    )
     grid = max(1, -(-cap // MAX_STATES))
     counter = itertools.count()
     useful: dict[int, bool] = {}
 
     def mark(item: Item) -> bool:
         """Whether anything under ``item`` can be chosen."""
-        here = item.candidate and (item.freed > 0 or any(r[2] > 0 for r in item.runs))
+        here = bool(item.wholes()) or (item.candidate and any(r[2] > 0 for r in item.runs))
         useful[id(item)] = any([mark(c) for c in item.children]) or here
         return useful[id(item)]
 
@@ -195,9 +214,7 @@ def solve(root: Item, points: Sequence[tuple[int, int]], budget: int) -> list[It
                 arriving[j].append(take(whole, here))
             cursor = max(cursor, child.end)
         inside = check(_merge(arriving[len(kids)], grid), cursor, item.end)
-        if item.candidate and item.freed > 0:
-            return _merge([inside, take(item, states)], grid)
-        return inside
+        return _merge([inside, *(take(whole, states) for whole in item.wholes())], grid)
 
     states = check([(0, 0.0, next(counter), None)], -1, root.start)
     states = check(run(root, states), root.end, top)

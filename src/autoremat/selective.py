@@ -1,0 +1,90 @@
+"""Selective recompute: which ops' outputs a selectively recomputed module keeps.
+
+A module recomputed *selectively* runs through ``torch.utils.checkpoint.checkpoint`` with
+``context_fn=create_selective_checkpoint_contexts(policy)``: the outputs of the ops named in its
+plan's ``save_ops`` (by default the expensive ones: matrix products, convolutions, attention
+kernels) are kept from the forward in the checkpoint's own cache, and every other op (pointwise
+ops, normalisations, softmax, dropout) is run again in backward. The recompute then costs
+almost no FLOPs, and the memory kept is what those ops wrote.
+
+Ops are named as ``torch.ops`` spells them without the overload, ``"aten.mm"``. The kept outputs
+live outside autograd's saved tensors (``saved_tensors_hooks`` does not see them); the memory
+tracker of :mod:`autoremat.memory` does, and the profile prices them (:mod:`autoremat.profile`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# The expensive ops: their outputs are kept, everything else is recomputed.
+DEFAULT_SAVE_OPS: tuple[str, ...] = (
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten.convolution",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._flash_attention_forward",
+    "aten._efficient_attention_forward",
+)
+
+
+def op_name(func: Any) -> str:
+    """``"aten.mm"`` for ``torch.ops.aten.mm.default``."""
+    packet = getattr(func, "overloadpacket", func)
+    return f"{packet._qualified_op_name.replace('::', '.')}"
+
+
+@functools.cache
+def resolve(names: tuple[str, ...]) -> frozenset[Any]:
+    """The op packets named by ``names`` (``"aten.mm"``); names this build of torch does not
+    have are skipped (attention kernels differ between builds).
+
+    Raises:
+        ValueError: a name is not of the form ``"namespace.op"``.
+    """
+    found = set()
+    for name in names:
+        namespace, _, op = name.partition(".")
+        if not namespace or not op or "." in op:
+            raise ValueError(
+                f"save_ops entry {name!r} is not an op name such as 'aten.mm' "
+                f"(namespace.op, without the overload)"
+            )
+        try:
+            found.add(getattr(getattr(torch.ops, namespace), op))
+        except (AttributeError, RuntimeError):
+            continue
+    return frozenset(found)
+
+
+def check_names(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` as a tuple, each checked by :func:`resolve`."""
+    if not isinstance(names, str):
+        names = tuple(names)
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"save_ops must be a sequence of op names such as 'aten.mm', got {names!r}")
+    names = tuple(names)
+    resolve(names)
+    return names
+
+
+def context_fn(save_ops: Sequence[str]) -> Any:
+    """The ``context_fn`` for ``checkpoint`` that keeps the outputs of ``save_ops`` and
+    recomputes the rest."""
+    packets = resolve(tuple(save_ops))
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func.overloadpacket in packets:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)

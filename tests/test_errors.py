@@ -1,0 +1,197 @@
+"""Bad input (issue 5): a ValueError or TypeError that names the argument or module path and
+the fix, and the model left as it was; warnings logged for what a user must know."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import autoremat
+from autoremat.plan import Plan
+from autoremat.wrap import wrapped_paths
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.mlp(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def x() -> torch.Tensor:
+    return torch.randn(32, 16)
+
+
+def state(model: nn.Module) -> tuple:
+    """Everything a failed call must leave unchanged."""
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        [(p, type(m)) for p, m in model.named_modules()],
+        [bool(m._forward_hooks or m._forward_pre_hooks) for m in model.modules()],
+        model.training,
+        wrapped_paths(model),
+    )
+
+
+def assert_same_state(before: tuple, after: tuple) -> None:
+    assert before[0].keys() == after[0].keys()
+    for k in before[0]:
+        assert torch.equal(before[0][k], after[0][k]), k
+    assert before[1:] == after[1:]
+
+
+CASES: dict[str, tuple[Callable[[nn.Module], object], type, str]] = {
+    "negative budget": (
+        lambda m: autoremat.plan(m, (x(),), budget=-5),
+        ValueError,
+        r"budget must be positive.*6GiB",
+    ),
+    "malformed budget": (
+        lambda m: autoremat.plan(m, (x(),), budget="lots"),
+        ValueError,
+        r"'lots' is not understood.*\"800MB\"",
+    ),
+    "budget of another type": (
+        lambda m: autoremat.plan(m, (x(),), budget=[1]),
+        TypeError,
+        r"budget must be.*got list",
+    ),
+    "segments and budget": (
+        lambda m: autoremat.plan(m, (x(),), segments=2, budget="50%"),
+        ValueError,
+        r"mutually exclusive: pass segments=K.*or budget=",
+    ),
+    "negative segments": (
+        lambda m: autoremat.plan(m, (x(),), segments=-1),
+        ValueError,
+        r"segments must be >= 0.*try segments=3",
+    ),
+    "infeasible budget": (
+        lambda m: autoremat.plan(m, (x(),), budget=1000),
+        ValueError,
+        r"below the lowest peak.*Try budget=\d+",
+    ),
+    "inputs that fail in forward": (
+        lambda m: autoremat.plan(m, (torch.randn(32, 15),), budget="50%"),
+        ValueError,
+        r"module 'blocks\.0\.mlp\.0'.*pass args/kwargs",
+    ),
+    "plan of another model": (
+        lambda m: autoremat.plan(nn.Sequential(nn.Linear(16, 16), nn.ReLU()), (x(),)).apply(m),
+        ValueError,
+        r"made for a Sequential, not a Net.*autoremat\.plan\(model",
+    ),
+    "path that does not exist": (
+        lambda m: Plan(modules=("blocks.7",), strategy="levels", model_class="Net").apply(m),
+        ValueError,
+        r"'blocks\.7'.*make the plan from this model",
+    ),
+    "nested paths": (
+        lambda m: Plan(modules=("blocks", "blocks.0"), strategy="levels", model_class="Net").apply(
+            m
+        ),
+        ValueError,
+        r"'blocks\.0' is inside 'blocks'.*keep only one",
+    ),
+    "model that is not a module": (
+        lambda m: autoremat.plan(lambda t: t, (x(),)),
+        TypeError,
+        r"model must be a torch\.nn\.Module",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_a_clear_error_and_changes_nothing(case: str) -> None:
+    call, error, match = CASES[case]
+    model = Net()
+    before = state(model)
+    with pytest.raises(error, match=match):
+        call(model)
+    assert_same_state(before, state(model))
+
+
+def test_forward_failure_is_also_the_runtime_error_it_wraps() -> None:
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.mlp\.0") as info:
+        autoremat.build_tree(Net(), (torch.randn(32, 15),))
+    assert isinstance(info.value, autoremat.ExampleInputsError)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_model_without_submodules_is_refused_for_both_strategies() -> None:
+    for kwargs in ({"segments": 2}, {"budget": "50%"}):
+        model = nn.Linear(16, 16)
+        before = state(model)
+        with pytest.raises(ValueError, match=r"no submodules.*nothing to recompute"):
+            autoremat.plan(model, (x(),), **kwargs)
+        assert_same_state(before, state(model))
+
+
+def test_remove_on_a_model_never_wrapped_is_a_no_op() -> None:
+    model = Net()
+    before = state(model)
+    assert autoremat.remove(model) is model
+    assert_same_state(before, state(model))
+
+
+class Shared(nn.Module):
+    """``mlp`` runs before and after ``other``: its calls interleave with a sibling's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Linear(256, 16))
+        self.other = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Linear(256, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.other(self.mlp(x)))
+
+
+def test_skipped_module_is_logged_once_with_the_reason(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(Shared(), nn.Linear(16, 4))
+    with caplog.at_level(logging.WARNING, logger="autoremat"):
+        plan = autoremat.plan(model, (torch.randn(64, 16),), budget="90%")
+    messages = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(messages) == 1
+    assert "'0.mlp': it runs several times, interleaved" in messages[0]
+    assert "0.mlp" not in plan.modules
+
+
+def test_budget_near_the_lowest_peak_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    model = Net()
+    with pytest.raises(ValueError, match=r"Try budget=(\d+)") as info:
+        autoremat.plan(model, (x(),), budget=1000)
+    lowest = int(str(info.value).split("Try budget=")[1].split(",")[0])
+    with caplog.at_level(logging.WARNING, logger="autoremat"):
+        autoremat.plan(model, (x(),), budget=lowest)
+    assert any("recomputes about all it can" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="autoremat"):
+        autoremat.plan(model, (x(),), budget="95%")
+    assert not any("recomputes about all it can" in r.getMessage() for r in caplog.records)
+
+
+def test_the_library_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    model = Net()
+    plan = autoremat.plan(model, (x(),), budget="85%")
+    plan.apply(model)
+    model(x()).sum().backward()
+    autoremat.remove(model)
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""

@@ -1,0 +1,189 @@
+"""Plans persist as JSON (issue 5): save, load, and refuse a model whose structure changed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import autoremat
+from autoremat.examples import EXAMPLES
+from autoremat.plan import FORMAT, Plan, fingerprint, structure
+from autoremat.wrap import wrapped_paths
+from conftest import assert_same_step
+
+
+@pytest.fixture(scope="module")
+def gpt2_budget_plan() -> Plan:
+    model, args, kwargs = EXAMPLES["gpt2"]()
+    return autoremat.plan(model, args, kwargs, budget="50%")
+
+
+def test_saved_plan_loads_equal_and_applies_with_the_same_gradients(
+    gpt2_budget_plan: Plan, tmp_path: Path
+) -> None:
+    path = tmp_path / "plan.json"
+    gpt2_budget_plan.save(path)
+    data = json.loads(path.read_text())
+    assert data["format"] == FORMAT
+    assert data["model_class"] == "TinyGPT"
+    assert data["modules"] == list(gpt2_budget_plan.modules)
+    assert len(data["fingerprint"]) == 16
+    loaded = Plan.load(path)
+    assert loaded == gpt2_budget_plan
+    assert loaded.tree is None
+    reference, args, kwargs = EXAMPLES["gpt2"]()
+    model, _, _ = EXAMPLES["gpt2"]()
+    model.load_state_dict(reference.state_dict())
+    loaded.apply(model)
+    assert set(wrapped_paths(model)) == set(gpt2_budget_plan.modules)
+    assert_same_step(reference, model, args, kwargs)
+
+
+def test_levels_plan_round_trips_through_a_dict() -> None:
+    model, args, kwargs = EXAMPLES["cnn"]()
+    plan = autoremat.plan(model, args, kwargs, segments=3)
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan
+    assert again.segments == 3 and again.strategy == "levels"
+
+
+def test_loaded_plan_refuses_a_changed_model_naming_what_is_gone(
+    gpt2_budget_plan: Plan, tmp_path: Path
+) -> None:
+    path = tmp_path / "plan.json"
+    gpt2_budget_plan.save(path)
+    loaded = Plan.load(path)
+    model, _, _ = EXAMPLES["gpt2"]()
+    del model.h[3]  # the last block is gone, and with it the plan's "h.3.attn"
+    before = structure(model)
+    gone = r"the plan's modules 'h\.3\.\w+'[^;]* no longer exist"
+    with pytest.raises(ValueError, match=gone) as info:
+        loaded.apply(model)
+    assert "'h.3 Block'" in str(info.value)
+    assert "autoremat.plan(model" in str(info.value)
+    assert wrapped_paths(model) == () and structure(model) == before
+
+
+def test_structure_change_outside_the_plan_is_refused_too(gpt2_budget_plan: Plan) -> None:
+    model, _, _ = EXAMPLES["gpt2"]()
+    model.extra = nn.Linear(2, 2)  # every planned module is still there
+    with pytest.raises(ValueError, match=r"new modules: 'extra Linear'"):
+        gpt2_budget_plan.apply(model)
+    assert wrapped_paths(model) == ()
+
+
+def test_plan_applied_to_a_different_model_is_refused(gpt2_budget_plan: Plan) -> None:
+    model, _, _ = EXAMPLES["cnn"]()
+    with pytest.raises(ValueError, match="made for a TinyGPT, not a ConvNet"):
+        gpt2_budget_plan.apply(model)
+    assert wrapped_paths(model) == ()
+
+
+def test_fingerprint_ignores_sizes_and_wrapping_but_not_structure() -> None:
+    a = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    b = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    c = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    assert fingerprint(a) == fingerprint(b) != fingerprint(c)
+    before = fingerprint(a)
+    autoremat.wrap.apply(a, ["0"])
+    assert type(a[0]).__name__ == "CheckpointedLinear"
+    assert fingerprint(a) == before
+
+
+def test_plan_without_fingerprint_applies_by_names_alone() -> None:
+    plan = Plan(modules=("0",), strategy="levels", model_class="Sequential")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    plan.apply(model)
+    assert wrapped_paths(model) == ("0",)
+
+
+def test_not_json_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not a saved plan: not JSON"):
+        Plan.load(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"format": "autoremat.plan/0"}, "'format'"),
+        ({"strategy": "greedy"}, "'strategy'"),
+        ({"modules": "h.0"}, "'modules'"),
+        ({"modules": ["h.0", 3]}, "'modules'"),
+        ({"modules": ["h.0[1:x]"]}, "module entry"),
+        ({"budget": -5}, "'budget'"),
+        ({"budget": True}, "'budget'"),
+        ({"choices": [{"path": "h.0"}]}, "choice"),
+        ({"fingerprint": 12}, "'fingerprint'"),
+    ],
+)
+def test_malformed_plan_names_the_field(
+    gpt2_budget_plan: Plan, change: dict[str, object], field: str
+) -> None:
+    data = {**gpt2_budget_plan.to_dict(), **change}
+    with pytest.raises(ValueError, match="not a saved autoremat plan") as info:
+        Plan.from_dict(data)
+    assert field in str(info.value)
+
+
+def test_missing_field_is_named(gpt2_budget_plan: Plan) -> None:
+    data = gpt2_budget_plan.to_dict()
+    del data["modules"]
+    with pytest.raises(ValueError, match="field 'modules' is missing"):
+        Plan.from_dict(data)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=_json)
+def test_loader_fuzz_any_json_is_a_plan_or_a_value_error(data: object) -> None:
+    try:
+        plan = Plan.from_dict(data)
+    except ValueError as e:
+        assert "not a saved autoremat plan" in str(e)
+    else:
+        assert isinstance(plan, Plan)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    key=st.sampled_from(sorted(Plan(modules=(), strategy="levels", model_class="M").to_dict())),
+    value=_json,
+)
+def test_loader_fuzz_one_field_changed_is_a_plan_or_a_value_error(key: str, value: object) -> None:
+    data = Plan(modules=("a.b", "c[0:2]"), strategy="levels", model_class="M").to_dict()
+    data[key] = value
+    try:
+        plan = Plan.from_dict(data)
+    except ValueError as e:
+        assert "not a saved autoremat plan" in str(e)
+    else:
+        # whatever was accepted round-trips
+        assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_state_dict_of_a_model_wrapped_by_a_loaded_plan_keeps_its_keys(
+    gpt2_budget_plan: Plan, tmp_path: Path
+) -> None:
+    model, _, _ = EXAMPLES["gpt2"]()
+    keys = list(model.state_dict())
+    path = tmp_path / "p.json"
+    gpt2_budget_plan.save(path)
+    Plan.load(path).apply(model)
+    assert list(model.state_dict()) == keys
+    torch.testing.assert_close(
+        model.state_dict()["h.0.attn.qkv.weight"], model.h[0].attn.qkv.weight.detach()
+    )
