@@ -36,7 +36,6 @@ where the frontier stays below it). The work is ``O((nodes x ways + runs) x fron
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 import math
 import re
@@ -128,7 +127,8 @@ def _merge(parts: list[list[_State]], grid: int) -> list[_State]:
         return parts[0] if parts else []
     kept: list[_State] = []
     best = math.inf
-    for s in heapq.merge(*parts):
+    # (sorting the concatenated runs: timsort merges them, comparing tuples in C)
+    for s in sorted(itertools.chain.from_iterable(parts)):
         if s[1] < best:
             kept.append(s)
             best = s[1]
@@ -187,9 +187,10 @@ def solve(root: Item, points: Sequence[tuple[int, int]], budget: int) -> list[It
         # those that reach the cap become equal: keep the cheapest (the last) of them
         capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
         fits = fits[max(0, capped - 1) :]
+        freed, cost, link = item.freed, item.cost, item
         return [
-            (-min(cap, item.freed - s[0]), s[1] + item.cost, next(counter), (item, s[3]))
-            for s in fits
+            (-(f if (f := freed - s[0]) < cap else cap), s[1] + cost, k, (link, s[3]))
+            for s, k in zip(fits, counter, strict=False)
         ]
 
     def run(item: Item, states: list[_State]) -> list[_State]:
