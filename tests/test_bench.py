@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import math
+import re
 
 import pytest
 import torch
 from torch import nn
 
-from autoremat import build_tree
+from autoremat import build_tree, wrap
 from autoremat.bench import (
     Row,
     Strategy,
+    budget,
     compare,
     every_block,
     find_blocks,
@@ -204,6 +207,41 @@ def test_every_block_on_hugging_face_gpt2_reduces_saved_bytes() -> None:
     assert every.autograd_saved < base.autograd_saved
     assert every.peak < base.peak
     assert not model.is_gradient_checkpointing  # the copy was changed, not the model
+
+
+def test_saved_by_autograd_counts_the_selective_cache() -> None:
+    def block() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(8, 8, bias=False), nn.GELU(), nn.Linear(8, 8, bias=False))
+
+    torch.manual_seed(0)
+    net = nn.Sequential(block(), block())
+    x = torch.randn(32, 8)
+    a = 32 * 8 * 4  # every activation: 32 x 8 float32
+    # each block saves GELU's input h and the second matmul's input act(h); block 1's first
+    # matmul saves block 0's output g: 5 activations
+    assert saved_by_autograd(net, (x,)) == 5 * a
+    # block 0 recomputed whole: its h and act(h) are gone (its input x is an input)
+    whole = wrap.apply(copy.deepcopy(net), ["0"])
+    assert saved_by_autograd(whole, (x,)) == 3 * a
+    # selectively: the checkpoint's cache keeps the matmul outputs h and g (g is saved anyway);
+    # saved_tensors_hooks do not see that cache
+    sel = wrap.apply(copy.deepcopy(net), ["0"], selective=["0"])
+    assert saved_by_autograd(sel, (x,)) == 4 * a
+    assert saved_by_autograd(sel, (x,), selective_cache=False) == 3 * a
+
+
+def test_budget_strategy_names_the_module_only_variant() -> None:
+    assert budget(0.5).name == "budget 50%"
+    assert budget(0.5, selective=False).name == "budget 50% (module)"
+    assert budget("min", selective=False).name == "budget min (module)"
+    model, args, kwargs = tiny_gpt()
+    strategies = [budget(0.5, selective=False), budget(0.5)]
+    rows = compare(model, args, kwargs, strategies, repeats=1, name="tiny")
+    assert [r.strategy for r in rows] == ["none", "budget 50% (module)", "budget 50%"]
+    assert "entries (0 selective)" in rows[1].note
+    assert re.search(r"entries \(\d+ selective\)", rows[2].note)
+    assert all(r.grads_match for r in rows), [r.note for r in rows]
+    assert all(r.peak is not None and r.peak <= 0.5 * rows[0].peak for r in rows[1:])
 
 
 def test_saved_by_autograd_counts_activations_only() -> None:

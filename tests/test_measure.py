@@ -378,3 +378,21 @@ def test_measurement_str_and_timing():
     assert m.saved == MiB + LOSS and m.peak == 2 * MiB + LOSS + ONES
     text = str(m)
     assert "2.0 MiB" in text and "GFLOP" in text and "\n" not in text
+
+
+def test_cuda_memory_figures_are_frozen_when_the_block_exits(monkeypatch):
+    """``measure`` reads ``peak`` after its FLOP-counting and timing runs: the allocator's
+    statistics must not leak those runs into the measurement (they did, on an H200: a budget
+    plan's peak read 2515 MiB for a step that peaked at 1295 MiB). Faked allocator, no GPU."""
+    from autoremat.memory import CudaMemory
+
+    state = {"allocated": 100, "max": 100}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["max"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    with CudaMemory() as memory:
+        state.update(allocated=130, max=160)
+        assert (memory.current, memory.peak) == (30, 60)
+    state.update(allocated=500, max=900)  # what runs after the block
+    assert (memory.current, memory.peak) == (30, 60)

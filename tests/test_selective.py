@@ -192,3 +192,59 @@ def test_a_run_cannot_be_selective():
     model = toy(nn.GELU)
     with pytest.raises(ValueError, match=r"'0\[0:2\]' is not"):
         wrap.apply(model, ["0[0:2]"], selective=["0[0:2]"])
+
+
+class Noise(nn.Module):
+    """Multiplies by fresh noise, uniform or normal (``aten.rand_like``, ``aten.randn_like``:
+    both draw random numbers)."""
+
+    def __init__(self, normal: bool = False) -> None:
+        super().__init__()
+        self.normal = normal
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.randn_like(x) if self.normal else torch.rand_like(x))
+
+
+def test_ops_that_draw_random_numbers_are_always_recomputed():
+    """A kept op that draws random numbers would be skipped in the recompute, and every random
+    op after it would draw other numbers (checkpoint replays the RNG from the module's start):
+    a plain selective checkpoint that keeps ``rand_like`` gets the ``randn_like`` after it wrong;
+    autoremat's policy recomputes random ops whatever ``save_ops`` says."""
+    import functools
+
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    def net() -> nn.Sequential:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            block = nn.Sequential(nn.Linear(32, 32), Noise(), nn.Linear(32, 32), Noise(True))
+            return nn.Sequential(block, nn.Linear(32, 1))
+
+    inputs = torch.randn(64, 32)
+    reference, model, naive = net(), net(), net()
+
+    def keep_noise(ctx, func, *args, **kwargs):
+        if func.overloadpacket in (torch.ops.aten.rand_like, torch.ops.aten.addmm):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(3)
+    out = checkpoint(
+        naive[0],
+        inputs,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, keep_noise),
+    )
+    naive[1](out).sum().backward()
+    torch.manual_seed(3)
+    reference(inputs).sum().backward()
+    assert not torch.allclose(naive[0][0].weight.grad, reference[0][0].weight.grad)
+
+    reference.zero_grad(set_to_none=True)
+    wrap.apply(model, ["0"], selective=["0"], save_ops=["aten.rand_like", "aten.addmm"])
+    assert_same_step(reference, model, (inputs,), {})

@@ -25,9 +25,10 @@ How the figures are obtained (see :class:`Row`):
 * ``peak``, ``saved``, ``flops`` of eager strategies come from :func:`autoremat.measure`
   (a dispatch-level storage tracker and ``FlopCounterMode``).
 * ``autograd_saved`` (:func:`saved_by_autograd`) is the bytes of the distinct storages packed by
-  ``torch.autograd.graph.saved_tensors_hooks`` during the forward and the loss, parameters,
-  buffers and inputs left out. Those hooks also fire under ``torch.compile``, so this is the one
-  figure on which compiled and eager strategies compare directly.
+  ``torch.autograd.graph.saved_tensors_hooks`` during the forward and the loss, plus those kept
+  in the cache of selective checkpointing (which the hooks do not see), parameters, buffers and
+  inputs left out. Those hooks also fire under ``torch.compile``, so this is the one figure on
+  which compiled and eager strategies (selective recompute included) compare directly.
 * A compiled model cannot be measured by a dispatch mode (dynamo runs the original Python code
   eagerly when a ``TorchDispatchMode`` is active, so the figures would be those of the eager
   model): its ``peak`` is ``None``, its ``saved`` is its ``autograd_saved``, and its ``flops`` are
@@ -54,7 +55,7 @@ import statistics
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,8 +125,10 @@ class Row:
             (:class:`autoremat.Measurement`); ``None`` for compiled models.
         saved: bytes created by the forward and still alive before backward
             (:class:`autoremat.Measurement`); for compiled models, ``autograd_saved``.
-        autograd_saved: bytes of the distinct storages autograd saved for backward
-            (:func:`saved_by_autograd`).
+        autograd_saved: bytes of the distinct storages kept from the forward for backward:
+            autograd's saved tensors plus selective checkpointing's cache
+            (:func:`saved_by_autograd`); the basis on which eager and compiled strategies
+            compare.
         flops: FLOPs of one step, recompute included.
         seconds: median wall time of one step.
         time_spread: (slowest - fastest) / median of the timed steps: how noisy ``seconds``
@@ -265,34 +268,36 @@ def levels(segments: int) -> Strategy:
 _PREDICTED: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
-def budget(target: float | str) -> Strategy:
+def budget(target: float | str, *, selective: bool = True) -> Strategy:
     """:func:`autoremat.plan` with ``budget=target`` (a fraction of the peak without
-    recompute), applied; ``target="min"`` plans at the lowest budget the planner can meet (the
-    one its error message for an infeasible budget states). The row's note gives the predicted
-    peak and its error against the measured one."""
+    recompute) and ``selective``, applied; ``target="min"`` plans at the lowest budget the
+    planner can meet (the one its error message for an infeasible budget states). The row is
+    named ``budget 50%`` (``budget min``), with `` (module)`` appended for
+    ``selective=False`` (module-level recompute only). Its note gives the predicted peak and
+    its error against the measured one, and how many entries are recomputed selectively."""
 
     def apply(model: nn.Module, args: Args, kwargs: Kwargs) -> nn.Module | None:
         spec: float | int | str = target
         if target == "min":
             try:
-                plan(model, args, kwargs, budget=1)
+                plan(model, args, kwargs, budget=1, selective=selective)
             except ValueError as exc:
                 found = re.search(r"Try budget=(\d+)", str(exc))
                 if found is None:
                     raise
                 spec = int(found.group(1))
-        chosen = plan(model, args, kwargs, budget=spec)
+        chosen = plan(model, args, kwargs, budget=spec, selective=selective)
         applied = chosen.apply(model)
         assert chosen.estimated_peak is not None and chosen.budget is not None
         _PREDICTED[applied] = chosen.estimated_peak
         _NOTES[applied] = (
-            f"budget {chosen.budget / _MiB:.1f} MiB, {len(chosen.modules)} entries: "
-            f"{_describe(chosen.modules)}"
+            f"budget {chosen.budget / _MiB:.1f} MiB, {len(chosen.modules)} entries "
+            f"({len(chosen.selective)} selective): {_describe(chosen.modules)}"
         )
         return applied
 
     name = "budget min" if target == "min" else f"budget {float(target):.0%}"
-    return Strategy(name, apply)
+    return Strategy(name if selective else f"{name} (module)", apply)
 
 
 @dataclass
@@ -442,6 +447,7 @@ def saved_by_autograd(
     kwargs: Kwargs | None = None,
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    selective_cache: bool = True,
 ) -> int:
     """Bytes of the distinct tensor storages autograd saves for backward during the forward
     and the loss of one training step, as packed by
@@ -451,8 +457,14 @@ def saved_by_autograd(
     weight saved for a matmul's backward costs nothing extra), and each storage counts once
     however many tensors view it. The hooks also fire for the tensors a graph compiled by
     ``torch.compile`` saves, so compiled and eager models are measured alike; they do not see
-    what a non-reentrant checkpoint recomputes (it stores placeholders) nor the cache of
-    selective checkpointing. No backward runs; the model is left as found (see
+    what a non-reentrant checkpoint recomputes (it stores placeholders).
+
+    They do not see the cache of selective checkpointing either (the op outputs its policy
+    keeps for backward, held by ``torch.utils.checkpoint``'s caching dispatch mode): with
+    ``selective_cache`` (the default) the storages in those caches count too, each storage
+    still once, so that an eager model recomputed selectively is measured on the same basis
+    as a compiled one (everything kept from the forward for backward, less parameters and
+    inputs). No backward runs; the model is left as found (see
     :func:`autoremat.snapshot.preserved`).
     """
     loss_fn = default_loss if loss_fn is None else loss_fn
@@ -469,11 +481,57 @@ def saved_by_autograd(
             sizes[key] = max(sizes.get(key, 0), t.untyped_storage().nbytes())
         return t
 
+    caches: list[Any] = []
     with preserved(model), torch.enable_grad():
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            _selective_caches(caches) if selective_cache else contextlib.nullcontext(),
+        ):
             loss = loss_fn(run_model(model, args, kwargs))
-        del loss
+        for t in _cached_tensors(caches):
+            pack(t)
+        del loss, caches
     return sum(sizes.values())
+
+
+@contextlib.contextmanager
+def _selective_caches(caches: list[Any]) -> Iterator[None]:
+    """Append to ``caches`` the cache of every selective checkpoint that begins inside: the
+    ``storage`` of ``torch.utils.checkpoint._CachingTorchDispatchMode`` (torch 2.4+), where the
+    outputs its policy saves are kept (as ``_VersionWrapper``s) until backward. Collects nothing
+    on a torch without that class."""
+    from torch.utils import checkpoint
+
+    cls = getattr(checkpoint, "_CachingTorchDispatchMode", None)
+    if cls is None:  # pragma: no cover - other torch versions
+        yield
+        return
+    original = cls.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        caches.append(getattr(self, "storage", None))
+
+    cls.__init__ = init
+    try:
+        yield
+    finally:
+        cls.__init__ = original
+
+
+def _cached_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in selective checkpoint caches (dicts, lists, tuples, wrappers with
+    ``.val``)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _cached_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _cached_tensors(v)
+    elif isinstance(getattr(obj, "val", None), torch.Tensor):
+        yield obj.val
 
 
 def _one_step(
@@ -557,6 +615,7 @@ class _Entry:
     strategy: Strategy
     model: nn.Module | None
     modules: frozenset[str] = frozenset()
+    selective: frozenset[str] = frozenset()  # the modules recomputed selectively
     notes: list[str] = dataclasses.field(default_factory=list)
     error: str = ""
     peak: int | None = None
@@ -676,8 +735,12 @@ def _prepare(
         return None
     entry = _Entry(strategy, applied)
     entry.modules = frozenset(wrap.wrapped_paths(_unwrap(applied)))
+    entry.selective = frozenset(wrap.selective_paths(_unwrap(applied)))
     for other in earlier:
-        if not entry.modules or other.modules != entry.modules:
+        if not entry.modules or (other.modules, other.selective) != (
+            entry.modules,
+            entry.selective,
+        ):
             continue
         if strategy.dedupe:
             other.duplicates.append(strategy.name)
@@ -722,9 +785,15 @@ def _timed_step(
 ) -> float:
     assert entry.model is not None
     inner = _unwrap(entry.model)
+    # CUDA kernels run asynchronously: wait for the GPU on both sides of the timed step.
+    cuda = torch.cuda.is_initialized()
     with preserved(inner):
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         _train_step(entry.model, args, kwargs, loss_fn)
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
 

@@ -197,22 +197,36 @@ class CudaMemory:
         self.device = device
         self.start = 0
         self.marks: dict[str, int] = {}
+        self._final: tuple[int, int] | None = None  # (current, peak) when the block exited
 
     def __enter__(self) -> CudaMemory:
         torch.cuda.synchronize(self.device)
         self.start = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        self._final = None
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # Freeze the figures: the allocator's statistics go on counting whatever runs next
+        # (measure's FLOP-counting and timing runs), which belongs to no measurement.
         torch.cuda.synchronize(self.device)
+        self._final = (
+            torch.cuda.memory_allocated(self.device) - self.start,
+            torch.cuda.max_memory_allocated(self.device) - self.start,
+        )
 
     @property
     def current(self) -> int:
+        """Bytes allocated above the start (at exit, once the block has exited)."""
+        if self._final is not None:
+            return self._final[0]
         return torch.cuda.memory_allocated(self.device) - self.start
 
     @property
     def peak(self) -> int:
+        """The allocator's peak above the start, over the block (frozen at exit)."""
+        if self._final is not None:
+            return self._final[1]
         return torch.cuda.max_memory_allocated(self.device) - self.start
 
     def snapshot(self, label: str | None = None) -> int:

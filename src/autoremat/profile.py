@@ -26,6 +26,7 @@ construction. A shared module's costs, whichever parent called it, are counted a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import sys
@@ -41,10 +42,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autoremat.memory import LiveMemory
-from autoremat.selective import DEFAULT_SAVE_OPS, resolve
+from autoremat.selective import DEFAULT_SAVE_OPS, keeps, resolve
 from autoremat.snapshot import preserved
 from autoremat.tree import Node, build_tree, iter_tensors, run_model
-from autoremat.wrap import wrapped_paths
+from autoremat.wrap import cache_off_in_training, wrapped_paths
 
 # Forward throughput assumed when the model is on the meta device and nothing can be timed.
 META_FLOPS_PER_SECOND = 1e11
@@ -187,7 +188,7 @@ class _OpCosts(TorchDispatchMode):
         written = sum(new.values())
         own.flops += flops
         own.written += written
-        if func._overloadpacket in self.keep:
+        if keeps(func, args, kwargs, self.keep):
             own.kept_flops += flops
             own.kept_written += written
             for key, size in new.items():
@@ -322,8 +323,11 @@ def profile(
             module.register_forward_hook(functools.partial(leave, path=path), with_kwargs=True)
         )
     leaf_inputs = _leaf_inputs(args, kwargs)
+    # The step the wrapped model will run: Hugging Face caches off in training (not on meta,
+    # where the cache-less path of their mask code reads tensor values).
+    cache_off = contextlib.nullcontext() if meta else cache_off_in_training(model)
     try:
-        with _restored(model, leaf_inputs), memory, costs_mode:
+        with _restored(model, leaf_inputs), cache_off, memory, costs_mode:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 _step(model, args, kwargs, loss_fn or default_loss, leaf_inputs, after_forward)
             mark("done", "")

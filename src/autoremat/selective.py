@@ -77,13 +77,43 @@ def check_names(names: Iterable[str]) -> tuple[str, ...]:
     return names
 
 
+def draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of ``func`` draws random numbers: an op tagged
+    ``nondeterministic_seeded``, unless it has a ``dropout_p`` argument and it is 0 (attention
+    kernels are tagged whether or not they drop anything)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "dropout_p":
+            if arg.name in kwargs:
+                p = kwargs[arg.name]
+            elif i < len(args):
+                p = args[i]
+            else:
+                p = arg.default_value
+            return bool(p)
+    return True
+
+
+def keeps(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], packets: frozenset) -> bool:
+    """Whether a selective recompute keeps this op call's outputs: the op is one of
+    ``packets`` and draws no random numbers.
+
+    An op that draws random numbers is always recomputed: checkpoint replays the RNG state
+    from the start of the module, so if such an op were skipped in the recompute, every random
+    op after it would draw other numbers than in the forward (an attention kernel with
+    dropout, kept, would shift the dropout masks after it: wrong gradients on CUDA).
+    """
+    return func.overloadpacket in packets and not draws_random(func, args, kwargs)
+
+
 def context_fn(save_ops: Sequence[str]) -> Any:
-    """The ``context_fn`` for ``checkpoint`` that keeps the outputs of ``save_ops`` and
-    recomputes the rest."""
+    """The ``context_fn`` for ``checkpoint`` that keeps the outputs of ``save_ops`` (except
+    calls that draw random numbers, see :func:`keeps`) and recomputes the rest."""
     packets = resolve(tuple(save_ops))
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if func.overloadpacket in packets:
+        if keeps(func, args, kwargs, packets):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -32,6 +32,7 @@ What the wrapped ``forward`` guarantees beyond ``checkpoint`` itself:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -427,27 +428,58 @@ def remove(model: nn.Module) -> nn.Module:
     return model
 
 
+def _use_cache_index(m: nn.Module) -> int | None:
+    """For a Hugging Face-style model (a module with ``config.use_cache`` and a ``use_cache``
+    argument), the position of ``use_cache`` among its forward's arguments; else None."""
+    if not hasattr(getattr(m, "config", None), "use_cache"):
+        return None
+    try:
+        params = list(inspect.signature(type(m).forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    if "use_cache" not in params:
+        return None
+    return params.index("use_cache") - 1  # without self
+
+
 def _disable_hf_cache_in_training(model: nn.Module) -> None:
-    """Register a pre-hook on each Hugging Face-style model inside ``model`` (a module with
-    ``config.use_cache`` and a ``use_cache`` argument) that turns the cache off while training
-    with gradients: a recompute would update the cache a second time."""
+    """Register a pre-hook on each Hugging Face-style model inside ``model`` that turns the
+    cache off while training with gradients: a recompute would update the cache a second
+    time."""
     for m in model.modules():
-        config = getattr(m, "config", None)
-        if m in _cache_hooks or not hasattr(config, "use_cache"):
+        index = _use_cache_index(m)
+        if m in _cache_hooks or index is None:
             continue
-        try:
-            params = list(inspect.signature(type(m).forward).parameters)
-        except (TypeError, ValueError):
-            continue
-        if "use_cache" not in params:
-            continue
-        index = params.index("use_cache") - 1  # without self
         hook = functools.partial(_no_cache_pre_hook, index=index)
         _cache_hooks[m] = m.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+@contextlib.contextmanager
+def cache_off_in_training(model: nn.Module) -> Iterator[None]:
+    """While active, Hugging Face-style models inside ``model`` are called with
+    ``use_cache=False`` when training with gradients, as they are once wrapped (without the
+    warning): :func:`autoremat.profile` measures the step the wrapped model will run, not one
+    that also fills a key/value cache."""
+    handles = []
+    for m in model.modules():
+        index = _use_cache_index(m)
+        if m not in _cache_hooks and index is not None:
+            hook = functools.partial(_no_cache_pre_hook, index=index, warn=False)
+            handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _no_cache_pre_hook(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, index: int
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    index: int,
+    warn: bool = True,
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     if not (module.training and torch.is_grad_enabled()):
         return None
@@ -459,7 +491,8 @@ def _no_cache_pre_hook(
         return None
     else:
         kwargs = {**kwargs, "use_cache": False}
-    _warn_once_cache(type(module).__name__)
+    if warn:
+        _warn_once_cache(type(module).__name__)
     return args, kwargs
 
 
