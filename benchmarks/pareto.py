@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zoo import ZOO
 
 
-def lowest_budget(model, args, kwargs) -> int:
+def lowest_budget(model, args, kwargs, selective: bool = True) -> int:
+    """The lowest budget in bytes the planner meets (what its error for budget=1 byte says)."""
     try:
-        autoremat.plan(model, args, kwargs, budget=1)
+        autoremat.plan(model, args, kwargs, budget=1, selective=selective)
     except ValueError as exc:
         found = re.search(r"Try budget=(\d+)", str(exc))
         if found:

@@ -19,6 +19,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,7 +49,8 @@ LEGEND = """\
 Ratios are to the `none` row of the same model. `peak`: most tensor memory alive during the
 step (activations, gradients, temporaries; parameters and inputs excluded), from
 `autoremat.measure`. `saved`: memory created by the forward and still alive before backward.
-`autograd-saved`: distinct storages packed by `saved_tensors_hooks` (parameters and inputs
+`autograd-saved`: distinct storages packed by `saved_tensors_hooks`, plus the outputs kept in
+selective checkpointing's cache, which those hooks do not see (parameters and inputs
 excluded); for `compile` rows `saved` is this figure and `peak` is unknown (a dispatch-mode
 tracker cannot see inside compiled code). FLOPs count matmuls/convolutions/attention, forward,
 backward and recompute (compiled rows: counted on the graphs inductor compiled). `ms/step`:
@@ -68,7 +70,18 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_line(seconds: float | None = None, repeats: int | None = None) -> str:
+def progress_printer(start: float) -> Callable[[str], None]:
+    """``progress(line)``: the line on stderr, after the seconds since ``start``."""
+
+    def progress(line: str) -> None:
+        print(f"[{time.perf_counter() - start:6.0f} s] {line}", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def machine_line(
+    seconds: float | None = None, repeats: int | None = None, detail: str | None = None
+) -> str:
     parts = [
         f"CPU: {cpu_model()}",
         f"{os.cpu_count()} cores",
@@ -79,7 +92,9 @@ def machine_line(seconds: float | None = None, repeats: int | None = None) -> st
     if transformers is not None:
         parts.append(f"transformers {transformers.__version__}")
     parts.append(f"date {datetime.datetime.now().isoformat(timespec='minutes')}")
-    if repeats is not None:
+    if detail is not None:
+        parts.append(detail)
+    elif repeats is not None:
         parts.append(f"{repeats} timed steps per strategy")
     if hasattr(os, "getloadavg"):
         parts.append(f"load average {os.getloadavg()[0]:.1f}")
@@ -152,9 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(ns.out)
 
     start = time.perf_counter()
-
-    def progress(line: str) -> None:
-        print(f"[{time.perf_counter() - start:6.0f} s] {line}", file=sys.stderr, flush=True)
+    progress = progress_printer(start)
 
     rows: list[Row] = []
     for name in names:
