@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from dataclasses import dataclass
 from unittest import mock
@@ -57,6 +58,7 @@ freed_st = st.one_of(st.integers(1, 80), st.integers(-30, 0))
 flops_st = st.integers(0, 60)
 peak_st = st.integers(0, MAX_BYTES)
 written_st = st.integers(0, 2)
+inside_st = st.one_of(st.just(0), st.integers(0, 40))
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
                     flops=draw(flops_st),
                     recompute_peak=draw(peak_st),
                     written=draw(written_st),
+                    inside=draw(inside_st),
                     mode="selective",
                 ),
             )
@@ -152,6 +155,7 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
             recompute_peak=draw(peak_st),
             runs=runs,
             written=draw(written_st),
+            inside=draw(inside_st),
             options=options,
         )
 
@@ -330,6 +334,18 @@ def test_recompute_peak_of_a_chosen_node_is_a_point_at_its_start():
     # the solver accounts for it: a alone would fit 70 but for its recompute peak
     tree = Item("r", start=0, end=2, freed=0, flops=0, children=(hot, B))
     assert solve(tree, POINTS, 70) == [B]  # b: 10, 50, 40, 60
+
+
+def test_a_chosen_node_holds_its_inside_bytes_during_its_own_forward():
+    """Inputs the checkpoint keeps (and a selective recompute's cache) are alive longer than
+    without recompute: at the points inside the node's span, not before it or after it."""
+    kids = tuple(dataclasses.replace(k, candidate=False) for k in (A, B))
+    r = Item("r", start=0, end=2, freed=60, flops=25, children=kids, inside=7)
+    # points 1 and 2 are inside r's span (0 < p <= 2); 3 is after it, 0 before its first end
+    assert predict_peak(POINTS, [r]) == max(10, 50 + 7, 80 + 7, 100 - 60)
+    assert solve(r, POINTS, 87) == [r]
+    with pytest.raises(Infeasible):
+        solve(r, POINTS, 86)  # without the 7 bytes r would fit 86 (80 inside, 40 after)
 
 
 def test_solver_picks_the_cheapest_set_that_fits():

@@ -475,6 +475,7 @@ def planning_tree(
                     flops=cost.selective_flops,
                     recompute_peak=recompute_peak,
                     written=cost.selective_written,
+                    inside=cost.selective_held,
                     mode="selective",
                 ),
             )
@@ -509,6 +510,7 @@ def planning_tree(
             if allowed
             else (),
             written=cost.written,
+            inside=cost.held,
             options=options,
         )
 

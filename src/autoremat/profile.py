@@ -67,7 +67,10 @@ class NodeCost:
     run ``[i:j)`` of two or more consecutive children, which can be recomputed as one.
     ``written`` is the bytes of new storages its forward's ops wrote. ``selective_*`` are
     ``freeable``, ``flops`` and ``written`` for a selective recompute that keeps the outputs
-    of the expensive ops (:mod:`autoremat.selective`).
+    of the expensive ops (:mod:`autoremat.selective`). ``held`` (``selective_held``) bounds
+    the bytes a (selective) recompute keeps alive *during* the node's forward beyond the step
+    without recompute: its inputs nothing inside saves (the checkpoint holds them), and for a
+    selective one also the kept outputs nothing saves.
     """
 
     path: str
@@ -87,6 +90,8 @@ class NodeCost:
     runs: tuple[tuple[int, int, int, int], ...] = ()
     written: int = 0
     selective_freeable: int = 0
+    held: int = 0
+    selective_held: int = 0
     selective_flops: int = 0
     selective_written: int = 0
 
@@ -336,7 +341,7 @@ def profile(
             h.remove()
 
     spans, points, recompute, event_spans, backward_now = _timeline(tree, events)
-    freeable = _freeable(tree, savers, input_keys)
+    freeable, charged = _freeable(tree, savers, input_keys)
     runs = _runs(tree, savers, input_keys, events, event_spans, backward_now)
     own_seconds: dict[str, float] = defaultdict(float)
     if not meta:
@@ -377,6 +382,8 @@ def profile(
             - _kept_cost(node.path, kept, kept_savers, input_keys[node.path]),
             selective_flops=flops - kept_flops,
             selective_written=written - kept_written,
+            held=charged[node.path],
+            selective_held=charged[node.path] + _unsaved(kept, kept_savers),
         )
         costs[node.path] = cost
         return cost, kept
@@ -475,10 +482,16 @@ def _kept_cost(
     return lost
 
 
+def _unsaved(kept: dict[int, tuple[int, int]], savers: dict[int, set[str]]) -> int:
+    """Bytes of the kept outputs nothing saved for backward (the cache alone holds them)."""
+    return sum(size for uid, (_, size) in kept.items() if not savers.get(uid))
+
+
 def _freeable(
     tree: Node, savers: dict[int, tuple[int, set[str]]], input_keys: dict[str, dict[int, int]]
-) -> dict[str, int]:
-    """Bytes each node's recompute would free (negative: would cost).
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes each node's recompute would free (negative: would cost), and the part of the
+    cost that is its inputs (charged).
 
     Freed: storages saved for backward only inside the node's subtree, other than its inputs.
     Cost: its inputs that nothing inside the subtree saved. The checkpoint keeps every input
@@ -492,6 +505,7 @@ def _freeable(
             depth[child.path] = depth[node.path] + 1
 
     freeable: dict[str, int] = defaultdict(int)
+    charged: dict[str, int] = defaultdict(int)
     for key, (size, who) in savers.items():
         # the lowest common ancestor of the savers: the smallest subtree holding them all
         paths = [p if p in parent else "" for p in who]
@@ -515,7 +529,8 @@ def _freeable(
             saved_inside = key in savers and any(_inside(p, node.path) for p in savers[key][1])
             if not saved_inside:
                 freeable[node.path] -= size
-    return freeable
+                charged[node.path] += size
+    return freeable, charged
 
 
 MAX_RUN = 64  # longest run of Sequential children considered as one recompute

@@ -15,8 +15,11 @@ Cost model (see NOTE in the README for the reasoning and the measured error):
   were in the step without recompute, gradients and all. The recompute also holds, for a
   moment, the temporaries its forward made and dropped: each chosen node adds the point
   ``(start[s], recompute_peak[s])``, the live bytes when its backward began plus those
-  temporaries. The predicted peak is the maximum over the points; with ``S`` empty it is the
-  profiled peak itself.
+  temporaries. While its own forward runs (points ``start[s] < p <= end[s]``), a chosen node
+  holds ``inside[s]`` bytes more than the step without recompute: inputs the checkpoint keeps
+  and, for a selective recompute, the kept outputs nothing else saved (an upper bound: they
+  are counted from the node's start). The predicted peak is the maximum over the points; with
+  ``S`` empty it is the profiled peak itself.
 
 The solver is exact under that model: a dynamic programme over the tree in execution order
 whose state is the set of Pareto-optimal ``(bytes freed so far, cost so far)`` pairs. At each
@@ -68,6 +71,9 @@ class Item:
     # (i, j, freed, flops, recompute_peak)
     runs: tuple[tuple[int, int, int, int, int], ...] = ()
     written: int = 0  # bytes the recompute's ops write
+    # bytes it keeps alive during its own forward beyond the step without recompute (inputs
+    # the checkpoint holds, a selective recompute's cache): added to the points inside its span
+    inside: int = 0
     # other ways to recompute this node whole (same path and span, no children)
     options: tuple[Item, ...] = ()
     mode: str = "full"  # how this item recomputes: "full", or an option's name ("selective")
@@ -107,7 +113,10 @@ class Infeasible(ValueError):
 
 def predict_peak(points: Sequence[tuple[int, int]], chosen: Sequence[Item]) -> int:
     """The predicted step peak when the ``chosen`` nodes are recomputed (module docstring)."""
-    moments = [*points, *((s.start, s.recompute_peak) for s in chosen)]
+    moments = [
+        *((p, b + sum(s.inside for s in chosen if s.start < p <= s.end)) for p, b in points),
+        *((s.start, s.recompute_peak) for s in chosen),
+    ]
     if not moments:
         return 0
     return max(b - sum(s.freed for s in chosen if s.end < p) for p, b in moments)
@@ -182,7 +191,7 @@ def solve(root: Item, points: Sequence[tuple[int, int]], budget: int) -> list[It
 
     def take(item: Item, states: list[_State]) -> list[_State]:
         """The states in which recomputing ``item`` whole fits, with it recomputed."""
-        worst = max(need[item.start + 1 : item.end + 1], default=0)
+        worst = max(need[item.start + 1 : item.end + 1], default=-item.inside) + item.inside
         fits = feasible(states, max(worst, item.recompute_peak))
         # those that reach the cap become equal: keep the cheapest (the last) of them
         capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
