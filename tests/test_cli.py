@@ -75,3 +75,11 @@ def test_python_dash_m_runs_the_cli():
     )
     assert done.stdout.splitlines()[0].startswith("gpt2 ")
     assert "hf-llama" in done.stdout
+
+
+def test_plan_objective_flag(capsys):
+    assert main(["plan", "gpt2", "--budget", "50%", "--objective", "flops"]) == 0
+    out = capsys.readouterr().out
+    assert "minimised flops" in out and "selective" in out
+    assert main(["plan", "gpt2", "--segments", "2", "--objective", "flops"]) == 2
+    assert "--objective applies to budget plans" in capsys.readouterr().err

@@ -161,6 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "or a size (2GiB, 800MB, bytes)",
     )
     p_plan.add_argument(
+        "--objective",
+        choices=("time", "flops"),
+        default="time",
+        help="what a budget plan minimises: the recompute's profiled time (default) or its FLOPs",
+    )
+    p_plan.add_argument(
         "--measure", action="store_true", help="apply the plan to a copy and measure its peak"
     )
     p_demo = sub.add_parser("demo", help="plan, apply, check gradients and show the savings")
@@ -196,7 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "tree":
             print(build_tree(model, args, kwargs))
         else:
-            chosen = plan(model, args, kwargs, segments=ns.segments, budget=ns.budget)
+            if ns.budget is None and ns.objective != "time":
+                raise ValueError("--objective applies to budget plans: add --budget")
+            extra = {} if ns.budget is None else {"objective": ns.objective}
+            chosen = plan(model, args, kwargs, segments=ns.segments, budget=ns.budget, **extra)
             print(chosen.summary() if chosen.strategy == "budget" else chosen)
             if ns.measure:
                 print(_measured(chosen, model, args, kwargs))

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from autoremat import wrap
-from autoremat.profile import Profile, profile
-from autoremat.selective import DEFAULT_SAVE_OPS, check_names
+from autoremat.profile import NodeCost, Profile, profile
+from autoremat.selective import DEFAULT_SAVE_OPS, POLICIES, check_names
 from autoremat.strategies.budget import (
     Infeasible,
     Item,
@@ -48,6 +48,8 @@ FORMAT = "autoremat.plan/1"
 HEADROOM = 1024
 # A budget this close (a fraction of it) above the lowest reachable peak gets a warning.
 NEAR_LOWEST = 0.02
+# What a budget plan minimises (plan's ``objective``).
+OBJECTIVES = ("time", "flops")
 
 
 def _own_class(module: nn.Module) -> type:
@@ -77,13 +79,16 @@ def fingerprint(model: nn.Module) -> str:
 
 @dataclass(frozen=True)
 class Choice:
-    """One chosen module of a budget plan: bytes its recompute frees, FLOPs it adds, and how
-    it is recomputed (``"full"`` or ``"selective"``)."""
+    """One chosen module of a budget plan: bytes its recompute frees, FLOPs and seconds (as
+    profiled) it adds, and how
+    it is recomputed (``"full"``, or a selective way: a key of
+    :data:`autoremat.selective.POLICIES`)."""
 
     path: str
     freed: int
     flops: int
     mode: str = "full"
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -92,9 +97,12 @@ class Plan:
 
     ``modules`` are qualified names as in ``model.named_modules()`` (``""`` is the model
     itself), never one inside another; those also in ``selective`` are recomputed
-    selectively: the outputs of the ops in ``save_ops`` are kept (:mod:`autoremat.selective`).
+    selectively: ``selective`` maps each to the ops whose outputs it keeps
+    (:mod:`autoremat.selective`).
     A budget plan also predicts the step peak with and without it (bytes, as
-    :func:`autoremat.measure` defines ``peak``) and the FLOPs its recomputes add.
+    :func:`autoremat.measure` defines ``peak``), and the FLOPs and seconds its recomputes add
+    (seconds as profiled: the recomputed ops' time plus checkpoint's per-op overheads); its
+    ``objective`` is what it minimised (``"time"`` or ``"flops"``).
     ``print(plan)`` shows the choice and the tree with it marked ``*``.
     """
 
@@ -106,9 +114,10 @@ class Plan:
     estimated_peak: int | None = None
     baseline_peak: int | None = None
     recompute_flops: int | None = None
+    objective: str | None = None
+    recompute_seconds: float | None = None
     choices: tuple[Choice, ...] = ()
-    selective: tuple[str, ...] = ()
-    save_ops: tuple[str, ...] = DEFAULT_SAVE_OPS
+    selective: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
     fingerprint: str | None = None
     structure: tuple[str, ...] = field(default=(), repr=False)
     tree: Node | None = field(default=None, repr=False, compare=False)
@@ -122,7 +131,7 @@ class Plan:
                 :func:`autoremat.wrap.apply`. The model is unchanged when it raises.
         """
         self.check(model)
-        return wrap.apply(model, self.modules, selective=self.selective, save_ops=self.save_ops)
+        return wrap.apply(model, self.modules, selective=self.selective)
 
     def check(self, model: nn.Module) -> None:
         """Raise ``ValueError`` unless ``model`` has the module structure the plan was made
@@ -175,12 +184,19 @@ class Plan:
             "estimated_peak": self.estimated_peak,
             "baseline_peak": self.baseline_peak,
             "recompute_flops": self.recompute_flops,
+            "objective": self.objective,
+            "recompute_seconds": self.recompute_seconds,
             "choices": [
-                {"path": c.path, "freed": c.freed, "flops": c.flops, "mode": c.mode}
+                {
+                    "path": c.path,
+                    "freed": c.freed,
+                    "flops": c.flops,
+                    "mode": c.mode,
+                    "seconds": c.seconds,
+                }
                 for c in self.choices
             ],
-            "selective": list(self.selective),
-            "save_ops": list(self.save_ops),
+            "selective": {path: list(ops) for path, ops in self.selective.items()},
             "structure": list(self.structure),
         }
 
@@ -218,10 +234,13 @@ class Plan:
         if self.strategy != "budget":
             return "\n".join(f"  {p or '(root)'}" for p in self.modules)
         width = max([len(c.path or "(root)") for c in self.choices] + [6])
-        rows = [f"  {'module':{width}}  {'how':9}  {'frees MiB':>10}  {'adds GFLOP':>10}"]
+        rows = [
+            f"  {'module':{width}}  {'how':13}  {'frees MiB':>10}  {'adds GFLOP':>10}  "
+            f"{'adds ms':>8}"
+        ]
         rows += [
-            f"  {c.path or '(root)':{width}}  {c.mode:9}  {c.freed / _MiB:>10.2f}  "
-            f"{c.flops / 1e9:>10.3f}"
+            f"  {c.path or '(root)':{width}}  {c.mode:13}  {c.freed / _MiB:>10.2f}  "
+            f"{c.flops / 1e9:>10.3f}  " + ("" if c.seconds is None else f"{c.seconds * 1e3:>8.1f}")
             for c in self.choices
         ]
         assert self.estimated_peak is not None and self.baseline_peak is not None
@@ -231,9 +250,18 @@ class Plan:
             f"{self.budget / _MiB:.2f} MiB, no recompute {self.baseline_peak / _MiB:.2f} MiB, "
             f"{self.estimated_peak / self.baseline_peak:.0%}), recompute adds "
             f"{self.recompute_flops / 1e9:.3f} GFLOP"
+            + (
+                ""
+                if self.recompute_seconds is None
+                else f" and {self.recompute_seconds * 1e3:.1f} ms (as profiled)"
+            )
+            + ("" if self.objective is None else f"; minimised {self.objective}")
         )
-        if self.selective:
-            rows.append(f"selective recompute keeps the outputs of: {', '.join(self.save_ops)}")
+        for mode in dict.fromkeys(c.mode for c in self.choices if c.mode != "full"):
+            ops = next(
+                (self.selective[c.path] for c in self.choices if c.mode == mode), POLICIES[mode]
+            )
+            rows.append(f"{mode} keeps the outputs of: {', '.join(ops)}")
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -265,6 +293,7 @@ def plan(
     budget: int | float | str | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     selective: bool = True,
+    objective: str = "time",
 ) -> Plan:
     """Choose the modules of ``model`` to recompute.
 
@@ -281,7 +310,11 @@ def plan(
     Each chosen module is recomputed whole, or, with ``selective`` (the default), possibly
     selectively: the outputs of its matrix products, convolutions and attention kernels are
     kept and only the other ops are recomputed (:mod:`autoremat.selective`); the planner picks
-    whichever fits the budget at the least cost.
+    whichever fits the budget at the least cost. ``objective`` says what cost is: ``"time"``
+    (the default), the recompute's time as profiled (its ops timed one by one, pointwise ops
+    included, plus checkpoint's and selective checkpointing's measured per-op overheads), or
+    ``"flops"``, its FLOPs plus 32 per byte its ops write (a fixed machine balance: the plan is
+    the same on every machine).
 
     Both run the model on the example inputs and leave it as they found it.
 
@@ -303,7 +336,11 @@ def plan(
         if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
             parse_budget(budget, 1)  # raises the TypeError that lists the forms
         parse_budget(budget, 1)  # malformed budgets fail before the model runs
-        return _budget_plan(model, args, kwargs, budget, loss_fn, selective)
+        if objective not in OBJECTIVES:
+            raise ValueError(
+                f"objective must be one of {', '.join(map(repr, OBJECTIVES))}, got {objective!r}"
+            )
+        return _budget_plan(model, args, kwargs, budget, loss_fn, selective, objective)
     segments = 3 if segments is None else segments
     if isinstance(segments, bool) or not isinstance(segments, int):
         raise TypeError(f"segments must be an int, got {type(segments).__name__}")
@@ -372,22 +409,44 @@ def _plan_from_dict(data: Any, where: str = "the data") -> Plan:
                 isinstance(c.get(k), int) and not isinstance(c.get(k), bool)
                 for k in ("freed", "flops")
             )
-            and c.get("mode", "full") in ("full", "selective")
+            and c.get("mode", "full") in ("full", *POLICIES)
         ):
             raise bad(
                 f"choice {c!r} must be an object with path (str), freed and flops (int), "
-                f"mode ('full' or 'selective')"
+                f"mode ({', '.join(map(repr, ('full', *POLICIES)))})"
             )
-        choices.append(Choice(c["path"], c["freed"], c["flops"], c.get("mode", "full")))
-    selective = strings("selective")
+        seconds = c.get("seconds")
+        if seconds is not None and (
+            isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0
+        ):
+            raise bad(f"choice {c!r}: seconds must be a number >= 0 or null")
+        choices.append(Choice(c["path"], c["freed"], c["flops"], c.get("mode", "full"), seconds))
+    raw = get("selective", (dict, list))
+    if isinstance(raw, list):  # the first form: a list of paths, all keeping 'save_ops'
+        ops = list(data.get("save_ops", DEFAULT_SAVE_OPS))
+        raw = {path: ops for path in strings("selective")}
+    selective = {}
+    for entry, ops in raw.items():
+        if not isinstance(ops, list):
+            raise bad(f"field 'selective' maps {entry!r} to {ops!r}, expected a list of op names")
+        try:
+            selective[entry] = check_names(ops)
+        except (TypeError, ValueError) as e:
+            raise bad(f"field 'selective', entry {entry!r}: {e}") from None
     odd = [e for e in selective if e not in modules]
     if odd:
         raise bad(f"selective entries {odd[:5]!r} are not among 'modules'")
-    try:
-        save_ops = check_names(strings("save_ops"))
-    except (TypeError, ValueError) as e:
-        raise bad(f"field 'save_ops': {e}") from None
     fp = get("fingerprint", str, optional=True)
+    objective = data.get("objective")
+    if objective is not None and objective not in OBJECTIVES:
+        raise bad(f"field 'objective' is {objective!r}, expected one of {OBJECTIVES} or null")
+    total_seconds = data.get("recompute_seconds")
+    if total_seconds is not None and (
+        isinstance(total_seconds, bool)
+        or not isinstance(total_seconds, (int, float))
+        or not total_seconds >= 0
+    ):
+        raise bad(f"field 'recompute_seconds' is {total_seconds!r}, expected a number >= 0")
     return Plan(
         modules=modules,
         strategy=strategy,
@@ -397,9 +456,10 @@ def _plan_from_dict(data: Any, where: str = "the data") -> Plan:
         estimated_peak=count("estimated_peak"),
         baseline_peak=count("baseline_peak"),
         recompute_flops=count("recompute_flops"),
+        objective=objective,
+        recompute_seconds=total_seconds,
         choices=tuple(choices),
         selective=selective,
-        save_ops=save_ops,
         fingerprint=fp,
         structure=strings("structure"),
     )
@@ -411,7 +471,9 @@ _ENTRY = re.compile(r"[^\s\[\]]*(\[\d+:\d+\])?")
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join(
-        {"str": "a string", "int": "an integer", "list": "a list"}.get(k.__name__, k.__name__)
+        {"str": "a string", "int": "an integer", "list": "a list", "dict": "an object"}.get(
+            k.__name__, k.__name__
+        )
         for k in kinds
     )
 
@@ -425,16 +487,26 @@ def _require_submodules(model: nn.Module, tree: Node) -> None:
 
 
 def planning_tree(
-    prof: Profile, selective: bool = True, skipped: dict[str, str] | None = None
+    prof: Profile,
+    selective: bool = True,
+    skipped: dict[str, str] | None = None,
+    objective: str = "time",
 ) -> Item:
     """The budget strategy's view of a profile: one :class:`Item` per node, children in the
     order they ended. A module called several times whose calls interleave with a sibling's
     (a dropout used after attention and after the MLP), and its descendants, are not
     candidates: the cost model places each node at one span. Modules that cannot be wrapped
     are not candidates either. With ``selective``, each candidate has a second way to be
-    recomputed: selectively (its option, :class:`Item` ``mode="selective"``). The modules left
+    recomputed: selectively, in each way of :data:`autoremat.selective.POLICIES` that differs
+    (its options, :class:`Item` ``mode="selective"``...). With ``objective="time"`` each way is
+    priced by its measured time (:class:`~autoremat.profile.NodeCost` ``op_seconds`` and the
+    profile's per-op overheads), so cheap in FLOPs is not taken for free in time; with
+    ``"flops"``, by FLOPs and bytes written (:attr:`Item.cost`). The modules left
     out that would have freed memory are written to ``skipped``, with the reason."""
     skipped = {} if skipped is None else skipped
+
+    def timed(seconds: float) -> float | None:
+        return seconds if objective == "time" else None
 
     def buffer_bytes(module: nn.Module) -> int:
         # the wrap copies the module's buffers around each recompute (wrap.py)
@@ -464,20 +536,27 @@ def planning_tree(
                     shared = {c.path for c in (before, after) if c.calls > 1}
                     clash.update(shared or {before.path, after.path})
         recompute_peak = cost.recompute_peak + buffer_bytes(node.module)
-        options = ()
-        if selective and cost.selective_freeable > 0 and cost.selective_flops < cost.flops:
-            options = (
+        options: list[Item] = []
+        for way in cost.selective_ways if selective else ():
+            if way.freeable <= 0 or way.flops >= cost.flops:
+                continue  # frees nothing, or keeps nothing worth keeping
+            if any(
+                (o.freed, o.flops, o.inside) == (way.freeable, way.flops, way.held) for o in options
+            ):
+                continue  # the same as a way already offered (no batched matmuls here)
+            options.append(
                 Item(
                     path=node.path,
                     start=cost.start,
                     end=cost.end,
-                    freed=cost.selective_freeable,
-                    flops=cost.selective_flops,
+                    freed=way.freeable,
+                    flops=way.flops,
                     recompute_peak=recompute_peak,
-                    written=cost.selective_written,
-                    inside=cost.selective_held,
-                    mode="selective",
-                ),
+                    written=way.written,
+                    inside=way.held,
+                    mode=way.mode,
+                    seconds=timed(_way_seconds(prof, cost, way.mode)),
+                )
             )
         return Item(
             path=node.path,
@@ -511,10 +590,30 @@ def planning_tree(
             else (),
             written=cost.written,
             inside=cost.held,
-            options=options,
+            options=tuple(options),
+            seconds=timed(_way_seconds(prof, cost, "full")),
         )
 
     return build(prof.tree, True)
+
+
+def recompute_seconds(prof: Profile, item: Item) -> float:
+    """The seconds recomputing ``item`` (a node of :func:`planning_tree`, in its ``mode``, or a
+    run ``path[i:j]``) adds, as ``prof`` timed it (:attr:`Item.seconds` with
+    ``objective="time"``)."""
+    match = wrap._RUN.fullmatch(item.path)
+    if match is not None:
+        return sum(
+            recompute_seconds(prof, Item(path, 0, 0, 0, 0)) for path in wrap.covered(item.path)
+        )
+    return _way_seconds(prof, prof[item.path], item.mode)
+
+
+def _way_seconds(prof: Profile, cost: NodeCost, mode: str) -> float:
+    if mode == "full":
+        return cost.op_seconds + cost.ops * prof.op_overhead
+    way = next(w for w in cost.selective_ways if w.mode == mode)
+    return way.op_seconds + cost.ops * prof.selective_op_overhead
 
 
 def _budget_plan(
@@ -524,12 +623,13 @@ def _budget_plan(
     budget: int | float | str,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     selective: bool,
+    objective: str,
 ) -> Plan:
     prof = profile(model, args, kwargs, loss_fn=loss_fn)
     _require_submodules(model, prof.tree)
     limit = parse_budget(budget, prof.peak)
     skipped: dict[str, str] = {}
-    root = planning_tree(prof, selective, skipped)
+    root = planning_tree(prof, selective, skipped, objective)
     if skipped:
         logger.warning(
             "%d module(s) of %s cannot be recomputed on their own and were left out of the "
@@ -550,6 +650,7 @@ def _budget_plan(
             f"recompute; about {lowest} bytes). Try budget={lowest}, a smaller batch, or "
             f"mixed precision."
         ) from None
+    seconds = {i.path: recompute_seconds(prof, i) for i in chosen}
     if chosen and limit < prof.peak:
         try:
             solve(root, prof.points, int(limit * (1 - NEAR_LOWEST)) - HEADROOM)
@@ -572,8 +673,10 @@ def _budget_plan(
         estimated_peak=predict_peak(prof.points, chosen),
         baseline_peak=prof.peak,
         recompute_flops=sum(i.flops for i in chosen),
-        choices=tuple(Choice(i.path, i.freed, i.flops, i.mode) for i in chosen),
-        selective=tuple(i.path for i in chosen if i.mode == "selective"),
+        objective=objective,
+        recompute_seconds=sum(seconds.values()),
+        choices=tuple(Choice(i.path, i.freed, i.flops, i.mode, seconds[i.path]) for i in chosen),
+        selective={i.path: POLICIES[i.mode] for i in chosen if i.mode in POLICIES},
         fingerprint=fingerprint(model),
         structure=structure(model),
         tree=prof.tree,

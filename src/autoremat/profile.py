@@ -11,12 +11,18 @@ to the innermost module of the tree that was running when it arose:
   convolutions, attention; pointwise ops count zero there).
 * **written**: bytes of the new storages its forward's ops wrote (what a recompute writes
   again; pointwise ops cost time for these bytes though they count no FLOPs).
-* **selective**: what recomputing the node selectively would free and cost: the outputs of
-  the expensive ops (:data:`autoremat.selective.DEFAULT_SAVE_OPS`) stay in the checkpoint's
-  cache, so they are not freed (and cost memory when nothing else kept them), and those ops'
-  FLOPs and bytes are not spent again.
-* **seconds**: forward wall time, measured in a separate forward with only timing hooks; on the
+* **selective**: what recomputing the node selectively would free and cost, for each way of
+  :data:`autoremat.selective.POLICIES`: the outputs of the ops that way keeps stay in the
+  checkpoint's cache, so they are not freed (and cost memory when nothing else kept them),
+  and those ops' FLOPs, bytes and time are not spent again.
+* **seconds**: forward wall time, measured in separate forwards with only timing hooks; on the
   ``meta`` device, where nothing runs, estimated from FLOPs.
+* **op seconds**: the time of the forward's ops themselves (each op timed alone, the fastest
+  of two forwards; on CUDA with a synchronize around each op), which is what a recompute runs
+  again: pointwise ops count here though they count no FLOPs. With the per-op overheads of
+  :func:`overheads` (a recompute's dispatch, selective checkpointing's Python policy) it
+  prices recompute in time (:func:`autoremat.plan.planning_tree`). On ``meta``, estimated from
+  FLOPs and bytes written.
 
 A node's figures are its own plus its children's, so they reconcile down the tree by
 construction. A shared module's costs, whichever parent called it, are counted at its node
@@ -29,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 import sys
 import time
 from collections import defaultdict
@@ -42,13 +49,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autoremat.memory import LiveMemory
-from autoremat.selective import DEFAULT_SAVE_OPS, keeps, resolve
+from autoremat.selective import POLICIES, keeps, resolve
 from autoremat.snapshot import preserved
+from autoremat.strategies.budget import COST_PER_BYTE
 from autoremat.tree import Node, build_tree, iter_tensors, run_model
 from autoremat.wrap import cache_off_in_training, wrapped_paths
 
-# Forward throughput assumed when the model is on the meta device and nothing can be timed.
+# Forward throughput assumed when the model is on the meta device and nothing can be timed,
+# and bytes written per second (the budget strategy's machine balance).
 META_FLOPS_PER_SECOND = 1e11
+META_BYTES_PER_SECOND = META_FLOPS_PER_SECOND / COST_PER_BYTE
+
+
+@dataclass(frozen=True)
+class SelectiveCost:
+    """One way to recompute a node selectively (``mode``, a key of
+    :data:`autoremat.selective.POLICIES`, keeping the outputs of ``save_ops``): what it frees,
+    the FLOPs, bytes and op seconds it runs again, and the bytes it holds during the node's
+    forward (as :class:`NodeCost`'s fields of the same names)."""
+
+    mode: str
+    save_ops: tuple[str, ...]
+    freeable: int
+    flops: int
+    written: int
+    held: int
+    op_seconds: float
 
 
 @dataclass(frozen=True)
@@ -70,7 +96,10 @@ class NodeCost:
     of the expensive ops (:mod:`autoremat.selective`). ``held`` (``selective_held``) bounds
     the bytes a (selective) recompute keeps alive *during* the node's forward beyond the step
     without recompute: its inputs nothing inside saves (the checkpoint holds them), and for a
-    selective one also the kept outputs nothing saves.
+    selective one also the kept outputs nothing saves. ``selective_ways`` has these figures for
+    every way of :data:`autoremat.selective.POLICIES` (the ``selective_*`` fields are its
+    first). ``ops`` is the number of op calls of the node's forward and ``op_seconds`` their
+    time (module docstring).
     """
 
     path: str
@@ -94,6 +123,9 @@ class NodeCost:
     selective_held: int = 0
     selective_flops: int = 0
     selective_written: int = 0
+    ops: int = 0
+    op_seconds: float = 0.0
+    selective_ways: tuple[SelectiveCost, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,7 +138,9 @@ class Profile:
     that ``bytes`` were live at some moment when the nodes numbered below ``p`` had ended
     their forward and not yet begun their backward: recomputing any of those would have
     lowered that moment by its ``freeable`` bytes. ``peak`` is the step's peak, as
-    :func:`autoremat.measure` defines it.
+    :func:`autoremat.measure` defines it. ``op_overhead`` and ``selective_op_overhead`` are the
+    seconds a recompute adds per op beyond the op itself, plain and selective
+    (:func:`overheads`).
     """
 
     tree: Node
@@ -114,6 +148,8 @@ class Profile:
     device: str
     peak: int = 0
     points: tuple[tuple[int, int], ...] = ()
+    op_overhead: float = 0.0
+    selective_op_overhead: float = 0.0
 
     def __getitem__(self, path: str) -> NodeCost:
         return self.costs[path]
@@ -148,28 +184,38 @@ class Profile:
 
 
 @dataclass
+class _Kept:
+    """What the ops one way of selective recompute keeps cost, for one module."""
+
+    flops: int = 0
+    written: int = 0
+    seconds: float = 0.0
+    # the storages it keeps: id -> (storage key, bytes)
+    storages: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass
 class _OwnOps:
     """What the ops a module ran itself (not in a child) cost, for one module."""
 
     flops: int = 0
     written: int = 0
-    kept_flops: int = 0
-    kept_written: int = 0
-    # the storages a selective recompute would keep: id -> (storage key, bytes)
-    kept: dict[int, tuple[int, int]] = field(default_factory=dict)
+    ops: int = 0
+    seconds: float = 0.0
+    kept: dict[str, _Kept] = field(default_factory=lambda: {m: _Kept() for m in POLICIES})
 
 
 class _OpCosts(TorchDispatchMode):
     """Adds each forward op's FLOPs (``torch.utils.flop_counter`` formulas) and the bytes of
-    the new storages it wrote to the running module, apart for the ops whose outputs a
-    selective recompute keeps."""
+    the new storages it wrote to the running module, and apart, for each way of selective
+    recompute, those of the ops whose outputs it keeps."""
 
     def __init__(self, stack: list[str], own: dict[str, _OwnOps]) -> None:
         super().__init__()
         self.stack = stack
         self.own = own
         self.counting = True
-        self.keep = resolve(DEFAULT_SAVE_OPS)
+        self.keep = {mode: resolve(ops) for mode, ops in POLICIES.items()}
         # storage key -> id of the kept output that has it now (a key can be reused once the
         # storage is freed: ids tell the storages apart)
         self.current: dict[int, int] = {}
@@ -193,12 +239,41 @@ class _OpCosts(TorchDispatchMode):
         written = sum(new.values())
         own.flops += flops
         own.written += written
-        if keeps(func, args, kwargs, self.keep):
-            own.kept_flops += flops
-            own.kept_written += written
-            for key, size in new.items():
-                self.current[key] = uid = next(self.ids)
-                own.kept[uid] = (key, size)
+        own.ops += 1
+        uids: dict[int, int] = {}
+        for mode, packets in self.keep.items():
+            if keeps(func, args, kwargs, packets):
+                kept = own.kept[mode]
+                kept.flops += flops
+                kept.written += written
+                for key, size in new.items():
+                    if key not in uids:
+                        self.current[key] = uids[key] = next(self.ids)
+                    kept.storages[uids[key]] = (key, size)
+        return out
+
+
+class _OpTimes(TorchDispatchMode):
+    """Adds the time of each op (the op alone; on CUDA with a synchronize before and after)
+    to the running module, and apart for each way of selective recompute that keeps it."""
+
+    def __init__(self, stack: list[str], seconds: dict[tuple[str, str], float], sync: Any):
+        super().__init__()
+        self.stack, self.seconds, self.sync = stack, seconds, sync
+        self.keep = {mode: resolve(ops) for mode, ops in POLICIES.items()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        self.sync()
+        begin = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.sync()
+        took = time.perf_counter() - begin
+        path = self.stack[-1]
+        self.seconds[path, ""] += took
+        for mode, packets in self.keep.items():
+            if keeps(func, args, kwargs, packets):
+                self.seconds[path, mode] += took
         return out
 
 
@@ -344,23 +419,53 @@ def profile(
     freeable, charged = _freeable(tree, savers, input_keys)
     runs = _runs(tree, savers, input_keys, events, event_spans, backward_now)
     own_seconds: dict[str, float] = defaultdict(float)
+    op_seconds: dict[tuple[str, str], float] = defaultdict(float)
+    op_overhead, selective_op_overhead = DEFAULT_OVERHEADS
     if not meta:
-        own_seconds = _time_forward(model, args, kwargs, modules, nodes)
+        own_seconds, op_seconds = _time_forward(model, args, kwargs, modules, nodes)
+        op_overhead, selective_op_overhead = overheads(_device_of(model, inputs))
 
     costs: dict[str, NodeCost] = {}
 
-    def total(node: Node) -> tuple[NodeCost, dict[int, tuple[int, int]]]:
+    def op_time(path: str, mode: str, flops: int, written: int) -> float:
+        if meta:  # estimated
+            return flops / META_FLOPS_PER_SECOND + written / META_BYTES_PER_SECOND
+        return op_seconds[path, mode]
+
+    def total(node: Node) -> tuple[NodeCost, dict[str, dict[int, tuple[int, int]]]]:
         below = [total(c) for c in node.children]
         kids = [k for k, _ in below]
         own = own_ops[node.path]
-        kept = dict(own.kept)  # the storages a selective recompute of the node keeps
+        # the storages each way of selective recompute of the node keeps
+        kept = {mode: dict(own.kept[mode].storages) for mode in POLICIES}
         for _, k in below:
-            kept.update(k)
+            for mode in POLICIES:
+                kept[mode].update(k[mode])
         params = {id(p): p for p in node.module.parameters()}
         flops = own.flops + sum(k.flops for k in kids)
         written = own.written + sum(k.written for k in kids)
-        kept_flops = own.kept_flops + sum(k.flops - k.selective_flops for k in kids)
-        kept_written = own.kept_written + sum(k.written - k.selective_written for k in kids)
+        seconds = op_time(node.path, "", own.flops, own.written) + sum(k.op_seconds for k in kids)
+        ways = []
+        for m, (mode, save_ops) in enumerate(POLICIES.items()):
+            mine = own.kept[mode]
+            kept_flops = mine.flops + sum(k.flops - k.selective_ways[m].flops for k in kids)
+            kept_written = mine.written + sum(k.written - k.selective_ways[m].written for k in kids)
+            kept_seconds = op_time(node.path, mode, mine.flops, mine.written) + sum(
+                k.op_seconds - k.selective_ways[m].op_seconds for k in kids
+            )
+            ways.append(
+                SelectiveCost(
+                    mode=mode,
+                    save_ops=save_ops,
+                    freeable=freeable[node.path]
+                    - _kept_cost(node.path, kept[mode], kept_savers, input_keys[node.path]),
+                    flops=flops - kept_flops,
+                    written=written - kept_written,
+                    held=charged[node.path] + _unsaved(kept[mode], kept_savers),
+                    op_seconds=max(0.0, seconds - kept_seconds),
+                )
+            )
+        first = ways[0]
         cost = NodeCost(
             path=node.path,
             saved=own_saved[node.path] + sum(k.saved for k in kids),
@@ -378,12 +483,14 @@ def profile(
             recompute_peak=recompute.get(node.path, 0),
             runs=runs.get(node.path, ()),
             written=written,
-            selective_freeable=freeable[node.path]
-            - _kept_cost(node.path, kept, kept_savers, input_keys[node.path]),
-            selective_flops=flops - kept_flops,
-            selective_written=written - kept_written,
+            selective_freeable=first.freeable,
+            selective_flops=first.flops,
+            selective_written=first.written,
             held=charged[node.path],
-            selective_held=charged[node.path] + _unsaved(kept, kept_savers),
+            selective_held=first.held,
+            ops=own.ops + sum(k.ops for k in kids),
+            op_seconds=seconds,
+            selective_ways=tuple(ways),
         )
         costs[node.path] = cost
         return cost, kept
@@ -396,6 +503,8 @@ def profile(
         device="meta" if meta else "real",
         peak=max(v for _, v in points),
         points=points,
+        op_overhead=op_overhead,
+        selective_op_overhead=selective_op_overhead,
     )
 
 
@@ -623,22 +732,92 @@ def _time_forward(
     kwargs: dict[str, Any] | None,
     modules: dict[int, nn.Module],
     nodes: dict[int, str],
-) -> dict[str, float]:
-    """Inclusive forward wall time per node (all calls), from one timed forward."""
-    starts: dict[str, list[float]] = defaultdict(list)
-    seconds: dict[str, float] = defaultdict(float)
+    runs: int = 2,
+) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    """Inclusive forward wall time per node (all calls), and the time of each node's own ops
+    (``(path, "")``) and of those each way of selective recompute keeps (``(path, mode)``):
+    the fastest of ``runs`` forwards, each figure on its own."""
+    best_seconds: dict[str, float] = {}
+    best_ops: dict[tuple[str, str], float] = {}
+    device = _device_of(model, [t for _, t in iter_tensors((args, kwargs))])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(runs):
+        starts: dict[str, list[float]] = defaultdict(list)
+        seconds: dict[str, float] = defaultdict(float)
+        ops: dict[tuple[str, str], float] = defaultdict(float)
+        stack = [""]
 
-    def enter(path: str) -> None:
-        starts[path].append(time.perf_counter())
+        def enter(path: str, starts: Any = starts, stack: list[str] = stack) -> None:
+            stack.append(path)
+            starts[path].append(time.perf_counter())
 
-    def leave(path: str) -> None:
-        seconds[path] += time.perf_counter() - starts[path].pop()
+        def leave(path: str, starts: Any = starts, seconds: Any = seconds, stack: Any = stack):
+            stack.pop()
+            seconds[path] += time.perf_counter() - starts[path].pop()
 
-    handles = _hooks(modules, nodes, enter, leave)
-    try:
-        with preserved(model), torch.enable_grad():
-            run_model(model, args, kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return seconds
+        handles = _hooks(modules, nodes, enter, leave)
+        try:
+            with preserved(model), torch.enable_grad(), _OpTimes(stack, ops, sync):
+                run_model(model, args, kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        for path, t in seconds.items():
+            best_seconds[path] = min(best_seconds.get(path, math.inf), t)
+        for key, t in ops.items():
+            best_ops[key] = min(best_ops.get(key, math.inf), t)
+    return defaultdict(float, best_seconds), defaultdict(float, best_ops)
+
+
+def _device_of(model: nn.Module, inputs: list[torch.Tensor]) -> torch.device:
+    for t in [*inputs, *model.parameters()]:
+        return t.device
+    return torch.device("cpu")
+
+
+# Per-op overheads assumed where nothing can be timed (meta): a recompute's dispatch, and
+# selective checkpointing's Python policy and cache, per op (forward and recompute together).
+DEFAULT_OVERHEADS = (5e-6, 5e-5)
+
+
+@functools.cache
+def overheads(device: torch.device, ops: int = 64, repeats: int = 5) -> tuple[float, float]:
+    """Seconds a recompute adds per op beyond the op's own time, measured once per device on a
+    chain of ``ops`` tiny ops (fastest of ``repeats``): ``(checkpoint, selective)``. The first
+    is what checkpoint's recompute costs per op in dispatch and autograd; the second what a
+    selective checkpoint costs per op, its forward and its recompute together (every op of a
+    selectively recomputed module goes through its Python policy twice)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from autoremat.selective import context_fn
+
+    if device.type == "meta":
+        return DEFAULT_OVERHEADS
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = torch.ones(4, device=device, requires_grad=True)
+
+    def chain(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(ops):
+            t = torch.sin(t)
+        return t
+
+    def step(how: str) -> float:
+        sync()
+        begin = time.perf_counter()
+        if how == "plain":
+            y = chain(x)
+        elif how == "full":
+            y = checkpoint(chain, x, use_reentrant=False)
+        else:
+            y = checkpoint(chain, x, use_reentrant=False, context_fn=context_fn(("aten.mm",)))
+        y.sum().backward()
+        sync()
+        return time.perf_counter() - begin
+
+    times: dict[str, float] = {}
+    for _ in range(repeats):
+        for how in ("plain", "full", "selective"):
+            times[how] = min(times.get(how, math.inf), step(how))
+    x.grad = None
+    full = max(0.0, times["full"] - times["plain"]) / ops
+    return full, max(full, times["selective"] - times["plain"]) / ops

@@ -36,6 +36,19 @@ DEFAULT_SAVE_OPS: tuple[str, ...] = (
     "aten._efficient_attention_forward",
 )
 
+# Batched matrix products: in unfused attention, the T x T scores (q @ k^T) and the weighted
+# values (probs @ v); rarely a product with parameters.
+BATCHED_MATMUL_OPS: tuple[str, ...] = ("aten.bmm", "aten.baddbmm")
+
+# The ways a module can be recomputed selectively: mode -> the ops whose outputs it keeps.
+# "selective" keeps every expensive op; "selective-bmm" recomputes the batched matrix products
+# too (Megatron's selective recompute of the attention core: the T x T scores, their softmax
+# and dropout are recomputed, the projections kept), which frees more for a few more FLOPs.
+POLICIES: dict[str, tuple[str, ...]] = {
+    "selective": DEFAULT_SAVE_OPS,
+    "selective-bmm": tuple(op for op in DEFAULT_SAVE_OPS if op not in BATCHED_MATMUL_OPS),
+}
+
 
 def op_name(func: Any) -> str:
     """``"aten.mm"`` for ``torch.ops.aten.mm.default``."""

@@ -296,7 +296,7 @@ def apply(
     model: nn.Module,
     paths: Sequence[str],
     *,
-    selective: Sequence[str] = (),
+    selective: Sequence[str] | Mapping[str, Sequence[str]] = (),
     save_ops: Sequence[str] = _selective.DEFAULT_SAVE_OPS,
 ) -> nn.Module:
     """Wrap the plan entries ``paths`` of ``model`` in place; return ``model``.
@@ -305,7 +305,9 @@ def apply(
     the run of children ``i..j-1`` of the plain ``nn.Sequential`` at ``path``, recomputed as
     one. The entries also in ``selective`` (module paths, not runs) are recomputed
     selectively: the outputs of the ops in ``save_ops`` are kept from the forward, the other
-    ops run again (:mod:`autoremat.selective`). Nothing is changed when the call raises.
+    ops run again (:mod:`autoremat.selective`); ``selective`` may also map each such entry to
+    its own ops (``{"h.0": ("aten.mm", "aten.addmm")}``, as :attr:`Plan.selective` does), and
+    then ``save_ops`` is not used. Nothing is changed when the call raises.
     Applying the same entries to a model that already has them wrapped is a no-op.
 
     Raises:
@@ -317,14 +319,19 @@ def apply(
             not in ``paths`` or a run; a ``save_ops`` name not of the form ``"aten.mm"``.
         TypeError: ``save_ops`` not a sequence of strings.
     """
-    save_ops = _selective.check_names(save_ops)
-    odd = [e for e in selective if e not in paths or _RUN.fullmatch(e)]
+    if isinstance(selective, Mapping):
+        wanted_selective = {e: _selective.check_names(ops) for e, ops in selective.items()}
+    else:
+        if isinstance(selective, str):
+            raise TypeError(f"selective must be a sequence of module paths, got {selective!r}")
+        save_ops = _selective.check_names(save_ops)
+        wanted_selective = {e: save_ops for e in selective}
+    odd = [e for e in wanted_selective if e not in paths or _RUN.fullmatch(e)]
     if odd:
         raise ValueError(
             f"selective entries must be module paths among the plan's entries: "
             f"{', '.join(map(repr, odd[:5]))} {'is' if len(odd) == 1 else 'are'} not"
         )
-    wanted_selective = {e: save_ops for e in selective}
     modules = dict(model.named_modules())
     missing = [e for e in paths if (_RUN.fullmatch(e) or [None, e])[1] not in modules]
     if missing:
@@ -373,7 +380,7 @@ def apply(
             m.__class__ = _wrapped_class(Checkpointed, type(m))
             m.__dict__[_PATH_ATTR] = e
             if e in wanted_selective:
-                m.__dict__[_SAVE_ATTR] = save_ops
+                m.__dict__[_SAVE_ATTR] = wanted_selective[e]
     for parent, spans in runs.items():
         seq = modules[parent]
         seq.__class__ = _wrapped_class(CheckpointedRuns, type(seq))

@@ -47,10 +47,13 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_STATES = 1024
-# Recompute cost charged per byte the recomputed ops write, in FLOPs: a machine balance (FLOP/s
-# over bytes/s of memory traffic, a written byte being read about once too). About 10-30 on
-# the CPUs here, over 100 on a GPU's tensor cores; 32 makes a recompute that writes much and
-# computes little cost what it takes, without letting bytes outweigh matrix products.
+# Costs are in FLOPs, or FLOP-equivalents: an item with measured ``seconds`` costs them at
+# FLOPS_PER_SECOND. Without seconds, an item is charged per byte its recomputed ops write, in
+# FLOPs: a machine balance (FLOP/s over bytes/s of memory traffic, a written byte being read
+# about once too). About 10-30 on the CPUs here, over 100 on a GPU's tensor cores; 32 makes a
+# recompute that writes much and computes little cost what it takes, without letting bytes
+# outweigh matrix products.
+FLOPS_PER_SECOND = 1e11
 COST_PER_BYTE = 32.0
 TIE_PER_BYTE = 1e-3
 
@@ -77,22 +80,34 @@ class Item:
     # other ways to recompute this node whole (same path and span, no children)
     options: tuple[Item, ...] = ()
     mode: str = "full"  # how this item recomputes: "full", or an option's name ("selective")
+    # the recompute's time, measured (ops and per-op overheads); None: priced from flops and
+    # written bytes
+    seconds: float | None = None
 
     def run_item(self, i: int, j: int, freed: int, flops: int, recompute_peak: int) -> Item:
-        """The run ``[i:j)`` of this node's children as one item, named ``path[i:j]``."""
+        """The run ``[i:j)`` of this node's children as one item, named ``path[i:j]``; its
+        bytes written and seconds are its children's."""
+        kids = self.children[i:j]
+        seconds = [k.seconds for k in kids]
         return Item(
             path=f"{self.path}[{i}:{j}]",
-            start=self.children[i].start,
-            end=self.children[j - 1].end,
+            start=kids[0].start,
+            end=kids[-1].end,
             freed=freed,
             flops=flops,
             recompute_peak=recompute_peak,
+            written=sum(k.written for k in kids),
+            seconds=None if None in seconds else sum(seconds),  # type: ignore[arg-type]
         )
 
     @property
     def cost(self) -> float:
         # (the bytes freed break ties: of two equally costly ways, the one that frees less)
-        return self.flops + COST_PER_BYTE * self.written + TIE_PER_BYTE * max(0, self.freed)
+        if self.seconds is not None:
+            work = self.seconds * FLOPS_PER_SECOND
+        else:
+            work = self.flops + COST_PER_BYTE * self.written
+        return work + TIE_PER_BYTE * max(0, self.freed)
 
     def wholes(self) -> list[Item]:
         """The ways to recompute this node whole that free bytes: itself and its options."""
