@@ -266,15 +266,18 @@ def levels(segments: int) -> Strategy:
 
 
 _PREDICTED: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+# the plan each budget strategy applied (for benchmarks that report more of it)
+_PLANS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
-def budget(target: float | str, *, selective: bool = True) -> Strategy:
+def budget(target: float | str, *, selective: bool = True, objective: str = "time") -> Strategy:
     """:func:`autoremat.plan` with ``budget=target`` (a fraction of the peak without
-    recompute) and ``selective``, applied; ``target="min"`` plans at the lowest budget the
-    planner can meet (the one its error message for an infeasible budget states). The row is
-    named ``budget 50%`` (``budget min``), with `` (module)`` appended for
-    ``selective=False`` (module-level recompute only). Its note gives the predicted peak and
-    its error against the measured one, and how many entries are recomputed selectively."""
+    recompute), ``selective`` and ``objective``, applied; ``target="min"`` plans at the lowest
+    budget the planner can meet (the one its error message for an infeasible budget states).
+    The row is named ``budget 50%`` (``budget min``), with `` (module)`` appended for
+    ``selective=False`` (module-level recompute only) and `` (flops)`` for
+    ``objective="flops"``. Its note gives the predicted peak and its error against the measured
+    one, and how many entries are recomputed selectively."""
 
     def apply(model: nn.Module, args: Args, kwargs: Kwargs) -> nn.Module | None:
         spec: float | int | str = target
@@ -286,10 +289,11 @@ def budget(target: float | str, *, selective: bool = True) -> Strategy:
                 if found is None:
                     raise
                 spec = int(found.group(1))
-        chosen = plan(model, args, kwargs, budget=spec, selective=selective)
+        chosen = plan(model, args, kwargs, budget=spec, selective=selective, objective=objective)
         applied = chosen.apply(model)
         assert chosen.estimated_peak is not None and chosen.budget is not None
         _PREDICTED[applied] = chosen.estimated_peak
+        _PLANS[applied] = chosen
         _NOTES[applied] = (
             f"budget {chosen.budget / _MiB:.1f} MiB, {len(chosen.modules)} entries "
             f"({len(chosen.selective)} selective): {_describe(chosen.modules)}"
@@ -297,7 +301,8 @@ def budget(target: float | str, *, selective: bool = True) -> Strategy:
         return applied
 
     name = "budget min" if target == "min" else f"budget {float(target):.0%}"
-    return Strategy(name if selective else f"{name} (module)", apply)
+    name += "" if selective else " (module)"
+    return Strategy(name + ("" if objective == "time" else f" ({objective})"), apply)
 
 
 @dataclass
