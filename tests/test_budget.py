@@ -722,7 +722,7 @@ def test_budget_plan_matches_levels_peak_with_no_more_flops() -> None:
             levels[modules] = (m.peak, m.flops)
     assert len(levels) >= 2
     for modules, (peak, flops) in levels.items():
-        plan = autoremat.plan(model, args, kwargs, budget=peak)
+        plan = autoremat.plan(model, args, kwargs, budget=peak, objective="flops")
         wrapped = copy.deepcopy(model)
         plan.apply(wrapped)
         m = autoremat.measure(wrapped, args, kwargs)

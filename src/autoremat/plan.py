@@ -313,8 +313,8 @@ def plan(
     whichever fits the budget at the least cost. ``objective`` says what cost is: ``"time"``
     (the default), the recompute's time as profiled (its ops timed one by one, pointwise ops
     included, plus checkpoint's and selective checkpointing's measured per-op overheads), or
-    ``"flops"``, its FLOPs plus 32 per byte its ops write (a fixed machine balance: the plan is
-    the same on every machine).
+    ``"flops"``, its FLOPs as ``FlopCounterMode`` counts them (pointwise ops free; bytes written
+    break ties; the plan is the same on every machine).
 
     Both run the model on the example inputs and leave it as they found it.
 
@@ -501,7 +501,7 @@ def planning_tree(
     (its options, :class:`Item` ``mode="selective"``...). With ``objective="time"`` each way is
     priced by its measured time (:class:`~autoremat.profile.NodeCost` ``op_seconds`` and the
     profile's per-op overheads), so cheap in FLOPs is not taken for free in time; with
-    ``"flops"``, by FLOPs and bytes written (:attr:`Item.cost`). The modules left
+    ``"flops"``, by FLOPs (:attr:`Item.cost`). The modules left
     out that would have freed memory are written to ``skipped``, with the reason."""
     skipped = {} if skipped is None else skipped
 

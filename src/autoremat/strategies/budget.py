@@ -5,8 +5,8 @@ Cost model (see NOTE in the README for the reasoning and the measured error):
 * Every tree node ``i`` is numbered by when its forward ended (``end``); ``start`` is how many
   nodes had ended before it began. Recomputing ``i`` frees ``freed[i]`` bytes: what its
   subtree saved for backward, less its inputs (the checkpoint keeps those), and costs
-  ``cost[i]`` (its forward FLOPs plus one per byte it recreates, so that of two equally costly
-  modules the one that moves less memory is preferred).
+  ``cost[i]`` (:attr:`Item.cost`: its recompute's measured seconds when the item has them, else
+  its forward FLOPs; bytes break ties).
 * The profiled step without recompute gives *points* ``(p, bytes)``: at some moment ``bytes``
   were live while nodes ``0..p-1`` had finished their forward and not begun their backward.
   Recomputing a set ``S`` of nodes, never one inside another, lowers that moment to
@@ -48,14 +48,14 @@ from typing import Any
 
 MAX_STATES = 1024
 # Costs are in FLOPs, or FLOP-equivalents: an item with measured ``seconds`` costs them at
-# FLOPS_PER_SECOND. Without seconds, an item is charged per byte its recomputed ops write, in
-# FLOPs: a machine balance (FLOP/s over bytes/s of memory traffic, a written byte being read
-# about once too). About 10-30 on the CPUs here, over 100 on a GPU's tensor cores; 32 makes a
-# recompute that writes much and computes little cost what it takes, without letting bytes
-# outweigh matrix products.
+# FLOPS_PER_SECOND; one without costs its FLOPs. Bytes (freed, and written by the recompute)
+# break ties at TIE_PER_BYTE.
 FLOPS_PER_SECOND = 1e11
-COST_PER_BYTE = 32.0
 TIE_PER_BYTE = 1e-3
+# What a byte written costs in FLOPs where time is estimated rather than measured (the meta
+# device): a machine balance (FLOP/s over bytes/s of memory traffic, a written byte being read
+# about once too). About 10-30 on the CPUs here, over 100 on a GPU's tensor cores.
+COST_PER_BYTE = 32.0
 
 
 @dataclass(frozen=True)
@@ -102,12 +102,9 @@ class Item:
 
     @property
     def cost(self) -> float:
-        # (the bytes freed break ties: of two equally costly ways, the one that frees less)
-        if self.seconds is not None:
-            work = self.seconds * FLOPS_PER_SECOND
-        else:
-            work = self.flops + COST_PER_BYTE * self.written
-        return work + TIE_PER_BYTE * max(0, self.freed)
+        # (bytes break ties: of two equally costly ways, the one that writes less, frees less)
+        work = self.flops if self.seconds is None else self.seconds * FLOPS_PER_SECOND
+        return work + TIE_PER_BYTE * (self.written + max(0, self.freed))
 
     def wholes(self) -> list[Item]:
         """The ways to recompute this node whole that free bytes: itself and its options."""
