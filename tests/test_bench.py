@@ -209,6 +209,21 @@ def test_every_block_on_hugging_face_gpt2_reduces_saved_bytes() -> None:
     assert not model.is_gradient_checkpointing  # the copy was changed, not the model
 
 
+def test_baseline_runs_hugging_face_models_without_their_cache() -> None:
+    """The no-recompute row runs the step the plans run: no key/value cache while training
+    (a cache would add its own memory and time to the baseline only); inference keeps it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=64)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 64, (2, 32))
+    assert model(input_ids=ids).past_key_values is not None  # on by default
+    baseline = no_recompute().apply(copy.deepcopy(model), (), {"input_ids": ids})
+    assert baseline(input_ids=ids).past_key_values is None
+    with torch.no_grad():
+        assert baseline(input_ids=ids).past_key_values is not None
+
+
 def test_saved_by_autograd_counts_the_selective_cache() -> None:
     def block() -> nn.Sequential:
         return nn.Sequential(nn.Linear(8, 8, bias=False), nn.GELU(), nn.Linear(8, 8, bias=False))

@@ -28,6 +28,7 @@ from autoremat.examples import EXAMPLES
 from autoremat.plan import HEADROOM, planning_tree
 from autoremat.strategies import budget as budget_mod
 from autoremat.strategies.budget import (
+    FLOPS_PER_SECOND,
     Infeasible,
     Item,
     min_peak,
@@ -110,6 +111,12 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
     parent, siblings in order); a node's start is the number of nodes that ended before it
     began, i.e. the end of the first leaf of its subtree."""
     n = draw(st.integers(1, max_nodes))
+    # every item priced by measured seconds (as plan's objective="time" makes them), or none
+    timed = draw(st.booleans())
+
+    def seconds() -> float | None:
+        return draw(st.integers(0, 60)) / FLOPS_PER_SECOND if timed else None
+
     parents = [draw(st.integers(0, i - 1)) for i in range(1, n)]
     kids: dict[int, list[int]] = {i: [] for i in range(n)}
     for child, parent in enumerate(parents, start=1):
@@ -129,21 +136,21 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
             runs = tuple(
                 (a, b, draw(freed_st), draw(flops_st), draw(peak_st)) for a, b in sorted(picked)
             )
-        options = ()
-        if draw(st.booleans()):
-            options = (
-                Item(
-                    path=f"n{i}",
-                    start=start,
-                    end=end,
-                    freed=draw(freed_st),
-                    flops=draw(flops_st),
-                    recompute_peak=draw(peak_st),
-                    written=draw(written_st),
-                    inside=draw(inside_st),
-                    mode="selective",
-                ),
+        options = tuple(
+            Item(
+                path=f"n{i}",
+                start=start,
+                end=end,
+                freed=draw(freed_st),
+                flops=draw(flops_st),
+                recompute_peak=draw(peak_st),
+                written=draw(written_st),
+                inside=draw(inside_st),
+                mode=mode,
+                seconds=seconds(),
             )
+            for mode in draw(st.sampled_from([(), ("selective",), ("selective", "selective-bmm")]))
+        )
         return Item(
             path=f"n{i}",
             start=start,
@@ -157,6 +164,7 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
             written=draw(written_st),
             inside=draw(inside_st),
             options=options,
+            seconds=seconds(),
         )
 
     root = build(0)

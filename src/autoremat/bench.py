@@ -162,8 +162,16 @@ class Row:
 
 
 def no_recompute() -> Strategy:
-    """The baseline: the model as it is."""
-    return Strategy(BASELINE, lambda model, args, kwargs: model)
+    """The baseline: the model as it is, except that Hugging Face models run with their
+    key/value cache off while training, as every autoremat plan runs them (and Hugging Face's
+    own gradient checkpointing): the ratios then compare the same step with and without
+    recompute, not one that also fills a cache."""
+
+    def apply(model: nn.Module, args: Args, kwargs: Kwargs) -> nn.Module:
+        wrap._disable_hf_cache_in_training(model, warn=False)
+        return model
+
+    return Strategy(BASELINE, apply)
 
 
 def find_blocks(tree: Node) -> list[str]:

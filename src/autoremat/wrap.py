@@ -449,15 +449,15 @@ def _use_cache_index(m: nn.Module) -> int | None:
     return params.index("use_cache") - 1  # without self
 
 
-def _disable_hf_cache_in_training(model: nn.Module) -> None:
+def _disable_hf_cache_in_training(model: nn.Module, warn: bool = True) -> None:
     """Register a pre-hook on each Hugging Face-style model inside ``model`` that turns the
     cache off while training with gradients: a recompute would update the cache a second
-    time."""
+    time (with ``warn``, one warning per class on the ``autoremat`` logger)."""
     for m in model.modules():
         index = _use_cache_index(m)
         if m in _cache_hooks or index is None:
             continue
-        hook = functools.partial(_no_cache_pre_hook, index=index)
+        hook = functools.partial(_no_cache_pre_hook, index=index, warn=warn)
         _cache_hooks[m] = m.register_forward_pre_hook(hook, with_kwargs=True)
 
 
