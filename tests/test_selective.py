@@ -327,6 +327,9 @@ def test_per_op_overheads_are_measured_and_selective_costs_more():
     full, selective = overheads(torch.device("cpu"))
     assert 0 < full <= selective < 0.01
     assert overheads(torch.device("meta")) == DEFAULT_OVERHEADS
+    with torch.no_grad():  # measured with gradients whatever the caller's mode
+        again = overheads.__wrapped__(torch.device("cpu"), ops=8, repeats=1)
+    assert 0 < again[0] <= again[1]
 
 
 def test_op_seconds_reconcile_down_the_tree():

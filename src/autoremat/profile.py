@@ -815,9 +815,10 @@ def overheads(device: torch.device, ops: int = 64, repeats: int = 5) -> tuple[fl
         return time.perf_counter() - begin
 
     times: dict[str, float] = {}
-    for _ in range(repeats):
-        for how in ("plain", "full", "selective"):
-            times[how] = min(times.get(how, math.inf), step(how))
+    with torch.enable_grad():
+        for _ in range(repeats):
+            for how in ("plain", "full", "selective"):
+                times[how] = min(times.get(how, math.inf), step(how))
     x.grad = None
     full = max(0.0, times["full"] - times["plain"]) / ops
     return full, max(full, times["selective"] - times["plain"]) / ops
