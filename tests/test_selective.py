@@ -26,7 +26,7 @@ import autoremat
 from autoremat import wrap
 from autoremat.examples import EXAMPLES
 from autoremat.plan import Plan
-from autoremat.selective import DEFAULT_SAVE_OPS, POLICIES, op_name
+from autoremat.selective import POLICIES, op_name
 from conftest import assert_same_step
 
 MiB = 2**20
@@ -108,16 +108,20 @@ def test_selective_wrap_keeps_the_matmul_outputs_and_reruns_the_rest(monkeypatch
     assert ran.count("aten.mm") == 2 * 4 - 1  # no recompute mm (the first input needs no grad)
 
 
+@pytest.mark.parametrize("mode", list(POLICIES))
 @pytest.mark.parametrize("name", list(EXAMPLES))
-def test_selective_training_step_identical_on_every_example(name):
+def test_selective_training_step_identical_on_every_example(name, mode):
     reference, args, kwargs = EXAMPLES[name]()
     model = copy.deepcopy(reference)
     entries = [
         m for m in autoremat.plan(reference, args, kwargs, segments=8).modules if "[" not in m
     ]
     assert entries
-    wrap.apply(model, entries, selective=entries)
-    assert wrap.selective_paths(model) == dict.fromkeys(entries, DEFAULT_SAVE_OPS)
+    if mode == "selective":  # the default ops, given as one list
+        wrap.apply(model, entries, selective=entries)
+    else:
+        wrap.apply(model, entries, selective=dict.fromkeys(entries, POLICIES[mode]))
+    assert wrap.selective_paths(model) == dict.fromkeys(entries, POLICIES[mode])
     assert_same_step(reference, model, args, kwargs)
     assert_same_step(reference, model, args, kwargs)  # a second step: buffers, RNG, caches
 
