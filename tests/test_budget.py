@@ -62,14 +62,27 @@ written_st = st.integers(0, 2)
 inside_st = st.one_of(st.just(0), st.integers(0, 40))
 
 
+def steps_st(start: int, end: int) -> st.SearchStrategy[tuple[tuple[int, int], ...]]:
+    """Changes of the bytes a checkpointed forward holds, at points of (and around) its span."""
+    return st.lists(st.tuples(st.integers(start, end + 1), st.integers(-40, 40)), max_size=3).map(
+        lambda steps: tuple(sorted(steps))
+    )
+
+
 @dataclass(frozen=True)
 class Case:
-    """A planning tree, its points, and every item a plan may hold with the tree nodes it
-    covers (a node: its subtree; a run: the subtrees of its children)."""
+    """A planning tree, its points (after the forward, and in it), and every item a plan may
+    hold with the tree nodes it covers (a node: its subtree; a run: the subtrees of its
+    children)."""
 
     root: Item
     points: tuple[tuple[int, int], ...]
     options: dict[str, tuple[Item, frozenset[str]]]
+    forward: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def peak(self) -> int:
+        return max(b for _, b in (*self.points, *self.forward))
 
     @property
     def n(self) -> int:
@@ -146,6 +159,7 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
                 recompute_peak=draw(peak_st),
                 written=draw(written_st),
                 inside=draw(inside_st),
+                inside_from=draw(steps_st(start, end)),
                 mode=mode,
                 seconds=seconds(),
             )
@@ -163,15 +177,16 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
             runs=runs,
             written=draw(written_st),
             inside=draw(inside_st),
+            inside_from=draw(steps_st(start, end)),
             options=options,
             seconds=seconds(),
         )
 
     root = build(0)
-    points = draw(
-        st.lists(st.tuples(st.integers(0, n), st.integers(0, MAX_BYTES)), min_size=1, max_size=12)
-    )
-    return Case(root=root, points=tuple(points), options=options_of(root))
+    point_st = st.tuples(st.integers(0, n), st.integers(0, MAX_BYTES))
+    points = draw(st.lists(point_st, min_size=1, max_size=12))
+    forward = draw(st.lists(point_st, max_size=8))
+    return Case(root=root, points=tuple(points), options=options_of(root), forward=tuple(forward))
 
 
 def valid_sets(case: Case) -> list[tuple[Item, ...]]:
@@ -198,7 +213,7 @@ def cost(chosen: list[Item] | tuple[Item, ...]) -> float:
 
 def brute_force(case: Case) -> list[tuple[int, float, tuple[Item, ...]]]:
     """(predicted peak, cost, set) for every valid set."""
-    return [(predict_peak(case.points, s), cost(s), s) for s in valid_sets(case)]
+    return [(predict_peak(case.points, s, case.forward), cost(s), s) for s in valid_sets(case)]
 
 
 def optimum(table: list[tuple[int, float, tuple[Item, ...]]], budget: int) -> float | None:
@@ -230,12 +245,12 @@ def test_solver_is_valid_feasible_and_optimal(case: Case, budget: int) -> None:
     table = brute_force(case)
     best = optimum(table, budget)
     try:
-        chosen = solve(case.root, case.points, budget)
+        chosen = solve(case.root, case.points, budget, case.forward)
     except Infeasible:
         assert best is None, f"solve raised Infeasible, yet a set of cost {best} fits"
         return
     assert_valid(case, chosen)
-    assert predict_peak(case.points, chosen) <= budget
+    assert predict_peak(case.points, chosen, case.forward) <= budget
     assert best is not None
     assert cost(chosen) == pytest.approx(best, rel=1e-9, abs=1e-9)
 
@@ -246,10 +261,10 @@ def test_larger_budget_never_costs_more(case: Case, low: int, high: int) -> None
     """(c) Monotone: a larger budget is feasible whenever a smaller one is, and no dearer."""
     low, high = min(low, high), max(low, high)
     try:
-        cheap = solve(case.root, case.points, low)
+        cheap = solve(case.root, case.points, low, case.forward)
     except Infeasible:
         return
-    roomy = solve(case.root, case.points, high)
+    roomy = solve(case.root, case.points, high, case.forward)
     assert cost(roomy) <= cost(cheap) + 1e-9
 
 
@@ -259,22 +274,22 @@ def test_min_peak_is_the_lowest_feasible_budget(case: Case, below: int) -> None:
     """(d) ``min_peak`` is a budget ``solve`` meets, and every budget under the lowest peak any
     valid set reaches is infeasible."""
     lowest = min(peak for peak, _, _ in brute_force(case))
-    found = min_peak(case.root, case.points)
-    chosen = solve(case.root, case.points, found)
-    assert predict_peak(case.points, chosen) <= found
+    found = min_peak(case.root, case.points, case.forward)
+    chosen = solve(case.root, case.points, found, case.forward)
+    assert predict_peak(case.points, chosen, case.forward) <= found
     # bisection from 0 with a tolerance of 1 byte at these sizes
     assert lowest <= found <= max(lowest, 1)
     for budget in {lowest - 1, lowest - below}:
         with pytest.raises(Infeasible):
-            solve(case.root, case.points, budget)
+            solve(case.root, case.points, budget, case.forward)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_predicted_peak_without_recompute_is_the_profiled_peak(case: Case) -> None:
     """(e) With nothing recomputed the prediction is the largest point."""
-    assert predict_peak(case.points, []) == max(b for _, b in case.points)
-    assert solve(case.root, case.points, max(b for _, b in case.points)) == []
+    assert predict_peak(case.points, [], case.forward) == case.peak
+    assert solve(case.root, case.points, case.peak, case.forward) == []
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -286,7 +301,7 @@ def test_a_thinned_frontier_never_loses_feasibility(case: Case, budget: int, sta
     table = brute_force(case)
     with mock.patch.object(budget_mod, "MAX_STATES", states):
         try:
-            chosen = solve(case.root, case.points, budget)
+            chosen = solve(case.root, case.points, budget, case.forward)
         except Infeasible:
             chosen = None
     best = optimum(table, budget)
@@ -294,7 +309,7 @@ def test_a_thinned_frontier_never_loses_feasibility(case: Case, budget: int, sta
         assert best is None, "Infeasible with a thinned frontier, yet a set fits"
         return
     assert_valid(case, chosen)
-    assert predict_peak(case.points, chosen) <= budget
+    assert predict_peak(case.points, chosen, case.forward) <= budget
     assert cost(chosen) >= best - 1e-9  # type: ignore[operator]
 
 
@@ -354,6 +369,28 @@ def test_a_chosen_node_holds_its_inside_bytes_during_its_own_forward():
     assert solve(r, POINTS, 87) == [r]
     with pytest.raises(Infeasible):
         solve(r, POINTS, 86)  # without the 7 bytes r would fit 86 (80 inside, 40 after)
+
+
+def test_a_checkpointed_forward_drops_what_its_finished_parts_saved():
+    """In the forward (``forward`` points), a chosen node holds ``held_at(p)`` more: its
+    ``inside`` bytes, then less what its finished children saved (dropped by the checkpoint,
+    here a's 30 bytes from point 1 on) and more a cached output made at point 2. After the
+    forward (``points``: its backward), the recompute has brought all back: ``inside`` only."""
+    kids = tuple(dataclasses.replace(k, candidate=False) for k in (A, B))
+    r = Item(
+        "r", start=0, end=2, freed=60, flops=25, children=kids, inside=7,
+        inside_from=((1, -30), (2, 5)),
+    )  # fmt: skip
+    assert [r.held_at(p) for p in (1, 2)] == [7 - 30, 7 - 30 + 5]
+    assert r.held_in_backward == 7
+    forward = ((0, 10), (1, 50), (2, 80))
+    after = ((1, 45), (3, 100))
+    assert predict_peak(after, [r], forward) == max(10, 50 - 23, 80 - 18, 45 + 7, 100 - 60)
+    # the same points, all priced as after the forward, are the upper bound of before
+    assert predict_peak((*forward, *after), [r]) == 80 + 7
+    assert solve(r, after, 62, forward) == [r]
+    with pytest.raises(Infeasible):
+        solve(r, after, 61, forward)
 
 
 def test_solver_picks_the_cheapest_set_that_fits():

@@ -133,3 +133,88 @@ def test_profile_leaves_the_model_as_found_and_refuses_a_wrapped_model():
     autoremat.plan(model, args, kwargs).apply(model)
     with pytest.raises(ValueError, match=r"autoremat\.remove"):
         autoremat.profile(model, args, kwargs)
+
+
+def nested_blocks() -> nn.Sequential:
+    """Two blocks of two ``Linear, GELU, Linear`` parts: in each part GELU saves the first
+    Linear's output and the second Linear saves GELU's, 4 MiB each, made inside the part."""
+    torch.manual_seed(0)
+
+    def part() -> nn.Sequential:
+        return nn.Sequential(
+            nn.Linear(512, 512, bias=False), nn.GELU(), nn.Linear(512, 512, bias=False)
+        )
+
+    return nn.Sequential(*(nn.Sequential(part(), part()) for _ in range(2)))
+
+
+def forward_moments(model: nn.Module, x: torch.Tensor) -> dict[int, int]:
+    """The most live bytes at each point of the forward (``p``: module calls ended before)."""
+    from autoremat.measure import _step, default_loss
+    from autoremat.memory import LiveMemory
+
+    memory, most, ended, on = LiveMemory(), {}, [0], [True]
+
+    def mark(ends: int) -> None:
+        if on[0]:
+            most[ended[0]] = max(most.get(ended[0], 0), memory.peak)
+            ended[0] += ends
+        memory.reset_peak()
+
+    def stop() -> None:
+        mark(0)
+        on[0] = False
+
+    hooks = [
+        h
+        for m in model.modules()
+        for h in (
+            m.register_forward_pre_hook(lambda *_: mark(0)),
+            m.register_forward_hook(lambda *_: mark(1)),
+        )
+    ]
+    try:
+        with memory:
+            _step(model, (x,), {}, default_loss, [], stop)
+    finally:
+        for h in hooks:
+            h.remove()
+    return most
+
+
+@pytest.mark.parametrize(
+    ("entries", "selective"), [(["1"], []), (["0", "1"], ["0", "1"]), (["1.0", "1.1"], [])]
+)
+def test_a_checkpointed_forward_is_priced_point_by_point(entries, selective):
+    """While a checkpointed block's forward runs, what its finished parts saved is gone (the
+    checkpoint drops it) and a selective one's cached outputs are held: at every point of the
+    forward the profile's prediction is never under the measured live bytes, and just after
+    block 1's first part ends both are 8 MiB below the step without recompute."""
+    from autoremat.plan import planning_tree
+
+    model, x = nested_blocks(), torch.randn(2048, 512)
+    prof = autoremat.profile(model, (x,))
+    items = {i.path: i for i in planning_tree(prof).walk()}
+    chosen = [
+        next(o for o in items[e].options if o.mode == "selective") if e in selective else items[e]
+        for e in entries
+    ]
+    baseline = dict(prof.forward_points)
+
+    def predicted(p: int) -> int:
+        return (
+            baseline[p]
+            + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)
+            - sum(s.freed for s in chosen if s.end < p)
+        )
+
+    autoremat.wrap.apply(model, entries, selective=selective)
+    measured = forward_moments(model, x)
+    autoremat.remove(model)
+    assert measured.keys() == baseline.keys()
+    for p in baseline:
+        assert measured[p] <= predicted(p), p
+    if entries == ["1"]:
+        after = prof["1.0"].end + 1
+        assert measured[after] == predicted(after) == baseline[after] - 8 * MiB
+    assert prof["1"].held_from == ((prof["1.0"].end + 1, -8 * MiB), (prof["1.1"].end + 1, -8 * MiB))

@@ -157,8 +157,8 @@ def test_selective_can_be_turned_off():
 
 def test_selective_plan_round_trips_through_json():
     model, args, kwargs = EXAMPLES["gpt2"]()
-    plan = autoremat.plan(model, args, kwargs, budget="60%", objective="flops")
-    assert {c.mode for c in plan.choices} >= {"selective-bmm"}
+    plan = autoremat.plan(model, args, kwargs, budget="50%", objective="flops")
+    assert {c.mode for c in plan.choices} >= {"selective", "selective-bmm"}
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["selective"] == {p: list(ops) for p, ops in plan.selective.items()}
     assert data["objective"] == "flops" and data["recompute_seconds"] > 0

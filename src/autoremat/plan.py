@@ -541,7 +541,9 @@ def planning_tree(
             if way.freeable <= 0 or way.flops >= cost.flops:
                 continue  # frees nothing, or keeps nothing worth keeping
             if any(
-                (o.freed, o.flops, o.inside) == (way.freeable, way.flops, way.held) for o in options
+                (o.freed, o.flops, o.inside, o.inside_from)
+                == (way.freeable, way.flops, way.held, way.held_from)
+                for o in options
             ):
                 continue  # the same as a way already offered (no batched matmuls here)
             options.append(
@@ -554,6 +556,7 @@ def planning_tree(
                     recompute_peak=recompute_peak,
                     written=way.written,
                     inside=way.held,
+                    inside_from=way.held_from,
                     mode=way.mode,
                     seconds=timed(_way_seconds(prof, cost, way.mode)),
                 )
@@ -590,6 +593,7 @@ def planning_tree(
             else (),
             written=cost.written,
             inside=cost.held,
+            inside_from=cost.held_from,
             options=tuple(options),
             seconds=timed(_way_seconds(prof, cost, "full")),
         )
@@ -630,6 +634,7 @@ def _budget_plan(
     limit = parse_budget(budget, prof.peak)
     skipped: dict[str, str] = {}
     root = planning_tree(prof, selective, skipped, objective)
+    forward, after = prof.forward_points, prof.backward_points
     if skipped:
         logger.warning(
             "%d module(s) of %s cannot be recomputed on their own and were left out of the "
@@ -640,9 +645,9 @@ def _budget_plan(
             + (" ..." if len(skipped) > 5 else ""),
         )
     try:
-        chosen = [] if limit >= prof.peak else solve(root, prof.points, limit - HEADROOM)
+        chosen = [] if limit >= prof.peak else solve(root, after, limit - HEADROOM, forward)
     except Infeasible:
-        lowest = min_peak(root, prof.points) + HEADROOM
+        lowest = min_peak(root, after, forward) + HEADROOM
         raise ValueError(
             f"budget {limit / _MiB:.2f} MiB ({budget!r}) is below the lowest peak that "
             f"recomputing modules of {type(model).__name__} reaches, {lowest / _MiB:.2f} MiB "
@@ -653,7 +658,7 @@ def _budget_plan(
     seconds = {i.path: recompute_seconds(prof, i) for i in chosen}
     if chosen and limit < prof.peak:
         try:
-            solve(root, prof.points, int(limit * (1 - NEAR_LOWEST)) - HEADROOM)
+            solve(root, after, int(limit * (1 - NEAR_LOWEST)) - HEADROOM, forward)
         except Infeasible:
             logger.warning(
                 "budget %.2f MiB is within %.0f%% of the lowest peak recomputing modules of %s "
@@ -670,7 +675,7 @@ def _budget_plan(
         strategy="budget",
         model_class=type(model).__name__,
         budget=limit,
-        estimated_peak=predict_peak(prof.points, chosen),
+        estimated_peak=predict_peak(after, chosen, forward),
         baseline_peak=prof.peak,
         recompute_flops=sum(i.flops for i in chosen),
         objective=objective,

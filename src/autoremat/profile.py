@@ -75,6 +75,7 @@ class SelectiveCost:
     written: int
     held: int
     op_seconds: float
+    held_from: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,13 +94,16 @@ class NodeCost:
     run ``[i:j)`` of two or more consecutive children, which can be recomputed as one.
     ``written`` is the bytes of new storages its forward's ops wrote. ``selective_*`` are
     ``freeable``, ``flops`` and ``written`` for a selective recompute that keeps the outputs
-    of the expensive ops (:mod:`autoremat.selective`). ``held`` (``selective_held``) bounds
-    the bytes a (selective) recompute keeps alive *during* the node's forward beyond the step
-    without recompute: its inputs nothing inside saves (the checkpoint holds them), and for a
-    selective one also the kept outputs nothing saves. ``selective_ways`` has these figures for
-    every way of :data:`autoremat.selective.POLICIES` (the ``selective_*`` fields are its
-    first). ``ops`` is the number of op calls of the node's forward and ``op_seconds`` their
-    time (module docstring).
+    of the expensive ops (:mod:`autoremat.selective`). ``held`` and ``held_from`` say how many
+    bytes more than the step without recompute are live *during* the node's forward when it is
+    checkpointed, at each point ``start < p <= end`` of its span: ``held`` (its inputs nothing
+    inside saves: the checkpoint holds them from the start) plus the changes ``(q, bytes)`` of
+    ``held_from`` with ``q <= p``. Those are negative for what its finished parts saved, which
+    a checkpointed forward does not keep (:func:`_released`), and for a selective recompute
+    positive for each kept output nothing saves, from the point it was made. ``selective_ways``
+    has these figures for every way of :data:`autoremat.selective.POLICIES` (the
+    ``selective_*`` fields are its first). ``ops`` is the number of op calls of the node's
+    forward and ``op_seconds`` their time (module docstring).
     """
 
     path: str
@@ -120,7 +124,7 @@ class NodeCost:
     written: int = 0
     selective_freeable: int = 0
     held: int = 0
-    selective_held: int = 0
+    held_from: tuple[tuple[int, int], ...] = ()
     selective_flops: int = 0
     selective_written: int = 0
     ops: int = 0
@@ -134,10 +138,12 @@ class Profile:
 
     The memory timeline of the step, for the budget planner: nodes are numbered ``0..n-1`` by
     the time their (last) forward call ended, their ``end``; a node's ``start`` is how many
-    nodes had ended before its first call began. Each point ``(p, bytes)`` of ``points`` says
-    that ``bytes`` were live at some moment when the nodes numbered below ``p`` had ended
-    their forward and not yet begun their backward: recomputing any of those would have
-    lowered that moment by its ``freeable`` bytes. ``peak`` is the step's peak, as
+    nodes had ended before its first call began. Each point ``(p, bytes)`` says that
+    ``bytes`` were live at some moment when the nodes numbered below ``p`` had ended their
+    forward and not yet begun their backward: recomputing any of those would have lowered
+    that moment by its ``freeable`` bytes. ``forward_points`` are the moments of the forward
+    pass (up to the loss), ``backward_points`` those after it, and :attr:`points` both (the
+    most at each ``p``). ``peak`` is the step's peak, as
     :func:`autoremat.measure` defines it. ``op_overhead`` and ``selective_op_overhead`` are the
     seconds a recompute adds per op beyond the op itself, plain and selective
     (:func:`overheads`).
@@ -147,12 +153,21 @@ class Profile:
     costs: dict[str, NodeCost]
     device: str
     peak: int = 0
-    points: tuple[tuple[int, int], ...] = ()
+    forward_points: tuple[tuple[int, int], ...] = ()
+    backward_points: tuple[tuple[int, int], ...] = ()
     op_overhead: float = 0.0
     selective_op_overhead: float = 0.0
 
     def __getitem__(self, path: str) -> NodeCost:
         return self.costs[path]
+
+    @property
+    def points(self) -> tuple[tuple[int, int], ...]:
+        """The points of the whole step: the most live bytes at each ``p``, in either phase."""
+        most: dict[int, int] = {}
+        for p, b in (*self.forward_points, *self.backward_points):
+            most[p] = max(most.get(p, 0), b)
+        return tuple(sorted(most.items()))
 
     def __iter__(self) -> Iterator[NodeCost]:
         return iter(self.costs.values())
@@ -210,10 +225,12 @@ class _OpCosts(TorchDispatchMode):
     the new storages it wrote to the running module, and apart, for each way of selective
     recompute, those of the ops whose outputs it keeps."""
 
-    def __init__(self, stack: list[str], own: dict[str, _OwnOps]) -> None:
+    def __init__(self, stack: list[str], own: dict[str, _OwnOps], clock: Callable[[], int]):
         super().__init__()
         self.stack = stack
         self.own = own
+        self.clock = clock
+        self.born: dict[int, int] = {}  # kept output id -> the clock when it was made
         self.counting = True
         self.keep = {mode: resolve(ops) for mode, ops in POLICIES.items()}
         # storage key -> id of the kept output that has it now (a key can be reused once the
@@ -249,6 +266,7 @@ class _OpCosts(TorchDispatchMode):
                 for key, size in new.items():
                     if key not in uids:
                         self.current[key] = uids[key] = next(self.ids)
+                        self.born[uids[key]] = self.clock()
                     kept.storages[uids[key]] = (key, size)
         return out
 
@@ -348,7 +366,8 @@ def profile(
     # (kind, path, peak since the previous event, live bytes now)
     events: list[tuple[str, str, int, int]] = []
     grad_hooks: list[Any] = []
-    costs_mode = _OpCosts(stack, own_ops)
+    costs_mode = _OpCosts(stack, own_ops, clock=lambda: len(events))
+    output_keys: dict[str, set[int]] = defaultdict(set)  # node -> storages of its outputs
     kept_savers: dict[int, set[str]] = defaultdict(set)  # kept output id -> who saved it
 
     def mark(kind: str, path: str) -> None:
@@ -381,6 +400,7 @@ def profile(
         stack.pop()
         mark("end", path)
         progress.step()
+        output_keys[path].update(_storage_key(t) for _, t in iter_tensors(out))
         needs_grad = [t for _, t in iter_tensors(out) if t.requires_grad]
         if needs_grad:
             grad_hooks.append(
@@ -415,8 +435,26 @@ def profile(
         for h in handles + grad_hooks:
             h.remove()
 
-    spans, points, recompute, event_spans, backward_now = _timeline(tree, events)
+    spans, phases, recompute, event_spans, backward_now, ended_before = _timeline(tree, events)
     freeable, charged = _freeable(tree, savers, input_keys)
+    ends = {path: end for path, (_, end) in spans.items()}
+    released = _released(tree, savers, input_keys, output_keys, ends)
+
+    def held_from(path: str, kept: dict[int, tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+        """How the bytes a checkpoint of ``path`` holds beyond the step without recompute
+        change during its forward (``kept``: the outputs its selective policy keeps): less
+        what finished parts saved, which its forward drops; more each kept output nothing
+        saves, from when it was made."""
+        cached = {key for uid, (key, _) in kept.items() if kept_savers.get(uid)}
+        return _steps(
+            [(p, -size) for p, key, size in released[path] if key not in cached]
+            + [
+                (ended_before[costs_mode.born[uid]], size)
+                for uid, (_, size) in kept.items()
+                if not kept_savers.get(uid)
+            ]
+        )
+
     runs = _runs(tree, savers, input_keys, events, event_spans, backward_now)
     own_seconds: dict[str, float] = defaultdict(float)
     op_seconds: dict[tuple[str, str], float] = defaultdict(float)
@@ -461,7 +499,8 @@ def profile(
                     - _kept_cost(node.path, kept[mode], kept_savers, input_keys[node.path]),
                     flops=flops - kept_flops,
                     written=written - kept_written,
-                    held=charged[node.path] + _unsaved(kept[mode], kept_savers),
+                    held=charged[node.path],
+                    held_from=held_from(node.path, kept[mode]),
                     op_seconds=max(0.0, seconds - kept_seconds),
                 )
             )
@@ -487,7 +526,7 @@ def profile(
             selective_flops=first.flops,
             selective_written=first.written,
             held=charged[node.path],
-            selective_held=first.held,
+            held_from=held_from(node.path, {}),
             ops=own.ops + sum(k.ops for k in kids),
             op_seconds=seconds,
             selective_ways=tuple(ways),
@@ -501,8 +540,9 @@ def profile(
         tree=tree,
         costs=ordered,
         device="meta" if meta else "real",
-        peak=max(v for _, v in points),
-        points=points,
+        peak=max(v for phase in phases for _, v in phase),
+        forward_points=phases[0],
+        backward_points=phases[1],
         op_overhead=op_overhead,
         selective_op_overhead=selective_op_overhead,
     )
@@ -551,7 +591,7 @@ def _timeline(tree: Node, events: list[tuple[str, str, int, int]]) -> tuple[Any,
         for n in tree.walk()
         if n.path in last_end
     }
-    peaks: dict[int, int] = {}
+    peaks: tuple[dict[int, int], dict[int, int]] = ({}, {})  # in the forward, after it
     recompute: dict[str, int] = {}
     backward_now: dict[str, int] = {}
     started = [False] * len(order)
@@ -559,14 +599,16 @@ def _timeline(tree: Node, events: list[tuple[str, str, int, int]]) -> tuple[Any,
     for i, (kind, path, peak, now) in enumerate(events):
         # the peak was reached in the interval that ends with event i
         p = ended_before[i] if i <= loss_at else prefix
-        peaks[p] = max(peaks.get(p, 0), peak)
+        phase = peaks[0 if i <= loss_at else 1]
+        phase[p] = max(phase.get(p, 0), peak)
         if kind == "backward" and path in index and not started[index[path]]:
             started[index[path]] = True
             prefix = min(prefix, index[path])
             recompute[path] = now + transient[path]
             backward_now[path] = now
     event_spans = {path: (first_start[path], last_end[path]) for path in last_end}
-    return spans, tuple(sorted(peaks.items())), recompute, event_spans, backward_now
+    points = tuple(tuple(sorted(phase.items())) for phase in peaks)
+    return spans, points, recompute, event_spans, backward_now, ended_before
 
 
 def _inside(path: str, ancestor: str) -> bool:
@@ -591,9 +633,72 @@ def _kept_cost(
     return lost
 
 
-def _unsaved(kept: dict[int, tuple[int, int]], savers: dict[int, set[str]]) -> int:
-    """Bytes of the kept outputs nothing saved for backward (the cache alone holds them)."""
-    return sum(size for uid, (_, size) in kept.items() if not savers.get(uid))
+def _lineage(tree: Node) -> tuple[dict[str, str | None], dict[str, int]]:
+    """Each node's parent (``None`` for the root) and depth."""
+    parent: dict[str, str | None] = {tree.path: None}
+    depth: dict[str, int] = {tree.path: 0}
+    for node in tree.walk():
+        for child in node.children:
+            parent[child.path] = node.path
+            depth[child.path] = depth[node.path] + 1
+    return parent, depth
+
+
+def _lowest_common(paths: set[str], parent: dict[str, str | None], depth: dict[str, int]) -> str:
+    """The lowest common ancestor of ``paths`` (paths outside the tree count as its root): the
+    smallest subtree that holds them all."""
+    root = next(p for p, up in parent.items() if up is None)
+    found = [p if p in parent else root for p in paths]
+    lca = found[0]
+    for other in found[1:]:
+        a, b = lca, other
+        while depth[a] > depth[b]:
+            a = parent[a]  # type: ignore[assignment]
+        while depth[b] > depth[a]:
+            b = parent[b]  # type: ignore[assignment]
+        while a != b:
+            a, b = parent[a], parent[b]  # type: ignore[assignment]
+        lca = a
+    return lca
+
+
+def _released(
+    tree: Node,
+    savers: dict[int, tuple[int, set[str]]],
+    input_keys: dict[str, dict[int, int]],
+    output_keys: dict[str, set[int]],
+    ends: dict[str, int],
+) -> dict[str, list[tuple[int, int, int]]]:
+    """For each node, the storages saved for backward inside it that its forward no longer
+    holds, part-way through, when the node is checkpointed: ``(point, storage, bytes)``.
+
+    Checkpointing drops what its forward's ops save. A storage saved only inside a node ``r``
+    strictly below, created in ``r`` (not its input) and not part of its output, is held by
+    nothing but autograd once ``r`` has ended: from point ``end[r] + 1`` on, a checkpointed
+    ancestor's forward runs with those bytes gone (unless a selective recompute keeps them).
+    """
+    parent, depth = _lineage(tree)
+    released: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    for key, (size, who) in savers.items():
+        r: str | None = _lowest_common(who, parent, depth)
+        while r is not None and (key in input_keys[r] or key in output_keys[r]):
+            r = parent[r]
+        if r is None or r not in ends:
+            continue
+        point = ends[r] + 1
+        above = parent[r]
+        while above is not None and key not in input_keys[above]:
+            released[above].append((point, key, size))
+            above = parent[above]
+    return released
+
+
+def _steps(changes: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``(point, bytes)`` changes summed per point, in point order, zeros left out."""
+    total: dict[int, int] = defaultdict(int)
+    for point, size in changes:
+        total[point] += size
+    return tuple((p, b) for p, b in sorted(total.items()) if b)
 
 
 def _freeable(
@@ -606,29 +711,11 @@ def _freeable(
     Cost: its inputs that nothing inside the subtree saved. The checkpoint keeps every input
     until the node's backward; such an input would otherwise have been freed sooner.
     """
-    parent: dict[str, str | None] = {tree.path: None}
-    depth: dict[str, int] = {tree.path: 0}
-    for node in tree.walk():
-        for child in node.children:
-            parent[child.path] = node.path
-            depth[child.path] = depth[node.path] + 1
-
+    parent, depth = _lineage(tree)
     freeable: dict[str, int] = defaultdict(int)
     charged: dict[str, int] = defaultdict(int)
     for key, (size, who) in savers.items():
-        # the lowest common ancestor of the savers: the smallest subtree holding them all
-        paths = [p if p in parent else "" for p in who]
-        lca = paths[0]
-        for other in paths[1:]:
-            a, b = lca, other
-            while depth[a] > depth[b]:
-                a = parent[a]  # type: ignore[assignment]
-            while depth[b] > depth[a]:
-                b = parent[b]  # type: ignore[assignment]
-            while a != b:
-                a, b = parent[a], parent[b]  # type: ignore[assignment]
-            lca = a
-        node: str | None = lca
+        node: str | None = _lowest_common(who, parent, depth)
         while node is not None:
             if key not in input_keys[node]:
                 freeable[node] += size

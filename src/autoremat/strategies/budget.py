@@ -15,10 +15,15 @@ Cost model (see NOTE in the README for the reasoning and the measured error):
   were in the step without recompute, gradients and all. The recompute also holds, for a
   moment, the temporaries its forward made and dropped: each chosen node adds the point
   ``(start[s], recompute_peak[s])``, the live bytes when its backward began plus those
-  temporaries. While its own forward runs (points ``start[s] < p <= end[s]``), a chosen node
-  holds ``inside[s]`` bytes more than the step without recompute: inputs the checkpoint keeps
-  and, for a selective recompute, the kept outputs nothing else saved (an upper bound: they
-  are counted from the node's start). The predicted peak is the maximum over the points; with
+  temporaries. At the points inside its span (``start[s] < p <= end[s]``), a chosen node
+  holds more than the step without recompute (or fewer), and how much depends on the phase:
+  points come in two lists, those of the forward pass (``forward``) and those after it.
+  While its own forward runs, it holds :meth:`Item.held_at` ``(p)``: the inputs the
+  checkpoint keeps, from its start; less what its finished parts saved, which a
+  checkpointed forward drops; more, for a selective recompute, each kept output nothing else
+  saved, from the point it was made. During its backward it holds its inputs only
+  (:attr:`Item.held_in_backward`): the recompute has brought the rest back, and taken the
+  cached outputs out of the cache. The predicted peak is the maximum over the points; with
   ``S`` empty it is the profiled peak itself.
 
 The solver is exact under that model: a dynamic programme over the tree in execution order
@@ -47,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_STATES = 1024
+NONE = -(2**62)  # the bytes at a point where no moment was seen (below any budget)
 # Costs are in FLOPs, or FLOP-equivalents: an item with measured ``seconds`` costs them at
 # FLOPS_PER_SECOND; one without costs its FLOPs. Bytes (freed, and written by the recompute)
 # break ties at TIE_PER_BYTE.
@@ -75,8 +81,11 @@ class Item:
     runs: tuple[tuple[int, int, int, int, int], ...] = ()
     written: int = 0  # bytes the recompute's ops write
     # bytes it keeps alive during its own forward beyond the step without recompute (inputs
-    # the checkpoint holds, a selective recompute's cache): added to the points inside its span
+    # the checkpoint holds): added to the points inside its span; and how that changes
+    # part-way, (point, bytes) from that point on (what its finished parts saved, dropped by
+    # the checkpoint: negative; a selective recompute's cached outputs: positive)
     inside: int = 0
+    inside_from: tuple[tuple[int, int], ...] = ()
     # other ways to recompute this node whole (same path and span, no children)
     options: tuple[Item, ...] = ()
     mode: str = "full"  # how this item recomputes: "full", or an option's name ("selective")
@@ -99,6 +108,35 @@ class Item:
             written=sum(k.written for k in kids),
             seconds=None if None in seconds else sum(seconds),  # type: ignore[arg-type]
         )
+
+    def held_at(self, point: int) -> int:
+        """The bytes more than the step without recompute live at ``point``, inside the span,
+        while this item's checkpointed forward runs (fewer when negative)."""
+        return self.inside + sum(b for p, b in self.inside_from if p <= point)
+
+    @property
+    def held_in_backward(self) -> int:
+        """The bytes more than the step without recompute live at the points inside the span
+        outside the forward, during this item's backward: ``inside``. Its recompute has
+        brought back all its forward dropped, and handed over what a selective recompute
+        cached (``torch.utils.checkpoint``'s cache gives each output up as the recompute
+        reaches it)."""
+        return self.inside
+
+    def worst_inside(self, forward: Sequence[int], backward: Sequence[int]) -> int:
+        """The most bytes live at the points inside the span when this item is checkpointed,
+        given the most live at each point ``p`` in the step without recompute, in its forward
+        (``forward[p]``) and after (``backward[p]``); 0 when the span has no point."""
+        worst, extra, begin = 0, self.inside, self.start + 1
+        stop = min(self.end + 1, len(forward), len(backward))
+        if begin < stop:
+            worst = max(backward[begin:stop]) + self.held_in_backward
+        for p, b in (*self.inside_from, (stop, 0)):
+            if p > begin and begin < stop:
+                worst = max(worst, max(forward[begin : min(p, stop)]) + extra)
+                begin = p
+            extra += b
+        return worst
 
     @property
     def cost(self) -> float:
@@ -123,10 +161,23 @@ class Infeasible(ValueError):
     """No set of modules brings the predicted peak under the budget."""
 
 
-def predict_peak(points: Sequence[tuple[int, int]], chosen: Sequence[Item]) -> int:
-    """The predicted step peak when the ``chosen`` nodes are recomputed (module docstring)."""
+def predict_peak(
+    points: Sequence[tuple[int, int]],
+    chosen: Sequence[Item],
+    forward: Sequence[tuple[int, int]] = (),
+) -> int:
+    """The predicted step peak when the ``chosen`` nodes are recomputed (module docstring).
+
+    ``forward`` are the points of the forward pass, where a chosen node part-way through its
+    own forward holds :meth:`Item.held_at` bytes more; ``points`` the others (at those inside
+    its span it holds :attr:`Item.held_in_backward` more). Points given only in ``points``
+    are priced as the latter, an upper bound."""
     moments = [
-        *((p, b + sum(s.inside for s in chosen if s.start < p <= s.end)) for p, b in points),
+        *(
+            (p, b + sum(s.held_in_backward for s in chosen if s.start < p <= s.end))
+            for p, b in points
+        ),
+        *((p, b + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)) for p, b in forward),
         *((s.start, s.recompute_peak) for s in chosen),
     ]
     if not moments:
@@ -164,16 +215,28 @@ def _merge(parts: list[list[_State]], grid: int) -> list[_State]:
     return thinned
 
 
-def solve(root: Item, points: Sequence[tuple[int, int]], budget: int) -> list[Item]:
-    """The cheapest set of nodes under ``root`` whose predicted peak is at most ``budget``.
+def solve(
+    root: Item,
+    points: Sequence[tuple[int, int]],
+    budget: int,
+    forward: Sequence[tuple[int, int]] = (),
+) -> list[Item]:
+    """The cheapest set of nodes under ``root`` whose predicted peak (:func:`predict_peak`,
+    with the same ``points`` and ``forward``) is at most ``budget``.
 
     Raises:
         Infeasible: no set fits; :func:`min_peak` gives the lowest reachable peak.
     """
-    top = max((p for p, _ in points), default=0)
-    need = [0] * (top + 1)  # the most bytes live at each point
+    top = max((p for p, _ in (*points, *forward)), default=0)
+    # the most bytes live at each point: in the forward, after it, and either (NONE: no
+    # moment there)
+    during = [NONE] * (top + 1)
+    after = [NONE] * (top + 1)
+    for p, b in forward:
+        during[p] = max(during[p], b)
     for p, b in points:
-        need[p] = max(need[p], b)
+        after[p] = max(after[p], b)
+    need = [max(d, a) for d, a in zip(during, after, strict=True)]
     # Bytes freed beyond the largest excess over the budget are worth no more.
     cap = max(
         0,
@@ -203,8 +266,7 @@ def solve(root: Item, points: Sequence[tuple[int, int]], budget: int) -> list[It
 
     def take(item: Item, states: list[_State]) -> list[_State]:
         """The states in which recomputing ``item`` whole fits, with it recomputed."""
-        worst = max(need[item.start + 1 : item.end + 1], default=-item.inside) + item.inside
-        fits = feasible(states, max(worst, item.recompute_peak))
+        fits = feasible(states, max(item.worst_inside(during, after), item.recompute_peak))
         # those that reach the cap become equal: keep the cheapest (the last) of them
         capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
         fits = fits[max(0, capped - 1) :]
@@ -251,16 +313,18 @@ def solve(root: Item, points: Sequence[tuple[int, int]], budget: int) -> list[It
     return sorted(chosen, key=lambda i: i.end)
 
 
-def min_peak(root: Item, points: Sequence[tuple[int, int]]) -> int:
+def min_peak(
+    root: Item, points: Sequence[tuple[int, int]], forward: Sequence[tuple[int, int]] = ()
+) -> int:
     """The lowest budget :func:`solve` meets (within 0.1% of the baseline above the lowest
     predicted peak any plan reaches)."""
-    baseline = max((b for _, b in points), default=0)
+    baseline = max((b for _, b in (*points, *forward)), default=0)
     lo, hi = 0, baseline  # hi is always feasible: the empty plan
     tolerance = max(1, baseline // 1000)
     while hi - lo > tolerance:
         mid = (lo + hi) // 2
         try:
-            solve(root, points, mid)
+            solve(root, points, mid, forward)
             hi = mid
         except Infeasible:
             lo = mid
