@@ -82,16 +82,26 @@ def main() -> None:
         layers=80, width=1024, heads=16, ffn=2816, batch=4, sequence=2048
     )
     prof = autoremat.profile(deep_model, deep_args, deep_kwargs)
-    cases = [("Llama, 80 layers (meta profile)", planning_tree(prof), list(prof.points))]
-    cases += [(f"random tree, seed {seed}", *random_tree(1000, seed)) for seed in range(2)]
-    for label, root, points in cases:
+    # (the tree, the points after the forward, the points of the forward)
+    cases = [
+        (
+            "Llama, 80 layers (meta profile)",
+            planning_tree(prof),
+            list(prof.backward_points),
+            list(prof.forward_points),
+        )
+    ]
+    cases += [(f"random tree, seed {seed}", *random_tree(1000, seed), []) for seed in range(2)]
+    for label, root, points, forward in cases:
         nodes = len(root.walk())
-        baseline = max(b for _, b in points)
-        lowest = min_peak(root, points)
-        search_s = median_seconds(lambda r=root, p=points: min_peak(r, p), repeats=1)
+        baseline = max(b for _, b in (*points, *forward))
+        lowest = min_peak(root, points, forward)
+        search_s = median_seconds(lambda r=root, p=points, f=forward: min_peak(r, p, f), repeats=1)
         for fraction in (0.75, 0.5):
             budget = max(lowest, int(baseline * fraction))
-            solve_s = median_seconds(lambda b=budget, r=root, p=points: solve(r, p, b))
+            solve_s = median_seconds(
+                lambda b=budget, r=root, p=points, f=forward: solve(r, p, b, f)
+            )
             lines.append(
                 f"| {label} | {nodes} | {budget / baseline:.0%} of baseline | "
                 f"{solve_s:.3f} | {search_s:.2f} |"

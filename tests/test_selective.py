@@ -383,3 +383,37 @@ def test_a_time_plan_reports_the_seconds_it_adds():
     assert plan.recompute_seconds > 0 and "ms (as profiled)" in str(plan)
     with pytest.raises(ValueError, match="objective must be one of 'time', 'flops'"):
         autoremat.plan(model, args, kwargs, budget="50%", objective="speed")
+
+
+def test_the_cache_is_emptied_when_the_recompute_ends():
+    """Checkpoint's early stop ends the recompute of ``Linear, GELU, Linear`` once GELU's output
+    (what the last matmul saved) is back, so the last matmul never takes its output from the
+    cache: plain selective checkpointing keeps it there until the autograd graph is freed
+    (measured on a ViT block: held through the rest of the backward). autoremat's context
+    empties the cache when the recompute ends."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from autoremat.selective import context_fn
+
+    block = toy(nn.GELU)[0]
+    made: list[tuple] = []
+
+    def ours():
+        made.append(context_fn(("aten.mm",))())
+        return made[-1]
+
+    def plain():
+        made.append(create_selective_checkpoint_contexts([torch.ops.aten.mm.default]))
+        return made[-1]
+
+    left = []
+    for fn in (ours, plain):
+        out = checkpoint(block, x().requires_grad_(), use_reentrant=False, context_fn=fn)
+        assert sum(map(len, made[-1][1].storage.values())) > 0  # filled by the forward
+        out.relu().sum().backward()
+        cache = made[-1][1].storage
+        left.append(
+            [v for entries in cache.values() for v in entries.values() if hasattr(v, "get_val")]
+        )
+    assert left[0] == []  # ours: nothing held
+    assert len(left[1]) == 1  # plain: the last matmul's output, never taken back

@@ -553,7 +553,7 @@ def planning_tree(
                     end=cost.end,
                     freed=way.freeable,
                     flops=way.flops,
-                    recompute_peak=recompute_peak,
+                    recompute_peak=way.recompute_peak + buffer_bytes(node.module),
                     written=way.written,
                     inside=way.held,
                     inside_from=way.held_from,

@@ -32,6 +32,7 @@ construction. A shared module's costs, whichever parent called it, are counted a
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import itertools
@@ -65,8 +66,10 @@ META_BYTES_PER_SECOND = META_FLOPS_PER_SECOND / COST_PER_BYTE
 class SelectiveCost:
     """One way to recompute a node selectively (``mode``, a key of
     :data:`autoremat.selective.POLICIES`, keeping the outputs of ``save_ops``): what it frees,
-    the FLOPs, bytes and op seconds it runs again, and the bytes it holds during the node's
-    forward (as :class:`NodeCost`'s fields of the same names)."""
+    the FLOPs, bytes and op seconds it runs again, the bytes it holds during the node's
+    forward, and its recompute's peak (as :class:`NodeCost`'s fields of the same names; the
+    peak also counts, at each moment of the recompute, the cached outputs nothing saves that
+    the recompute has not taken back yet)."""
 
     mode: str
     save_ops: tuple[str, ...]
@@ -76,6 +79,7 @@ class SelectiveCost:
     held: int
     op_seconds: float
     held_from: tuple[tuple[int, int], ...] = ()
+    recompute_peak: int = 0
 
 
 @dataclass(frozen=True)
@@ -374,10 +378,19 @@ def profile(
         events.append((kind, path, memory.peak, memory.current))
         memory.reset_peak()
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    # node -> (events so far, peak since the last event) when its forward last saved a
+    # tensor: checkpoint's early stop ends a recompute of the node there
+    last_save: dict[str, tuple[int, int]] = {}
+
+    def pack(t: torch.Tensor) -> tuple[str, torch.Tensor]:
+        if costs_mode.counting:
+            path: str | None = stack[-1]
+            while path is not None:
+                last_save[path] = (len(events), memory.peak)
+                path = parent.get(path)
         key = _storage_key(t)
         if key in preexisting:
-            return t
+            return stack[-1], t
         if key not in savers:
             savers[key] = (t.untyped_storage().nbytes(), set())
             own_saved[stack[-1]] += t.untyped_storage().nbytes()
@@ -385,7 +398,19 @@ def profile(
         uid = costs_mode.current.get(key)
         if uid is not None:
             kept_savers[uid].add(stack[-1])
-        return t
+        return stack[-1], t
+
+    parent = _lineage(tree)[0]
+    # node -> (order, live bytes) when backward first used what it saved: when a checkpoint
+    # of it would begin its recompute
+    unpacked: dict[str, tuple[int, int]] = {}
+
+    def unpack(packed: tuple[str, torch.Tensor]) -> torch.Tensor:
+        path: str | None = packed[0]
+        while path is not None and path not in unpacked:
+            unpacked[path] = (len(unpacked), memory.current)
+            path = parent.get(path)
+        return packed[1]
 
     def enter(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any], path: str) -> None:
         mark("start", path)
@@ -428,14 +453,16 @@ def profile(
     cache_off = contextlib.nullcontext() if meta else cache_off_in_training(model)
     try:
         with _restored(model, leaf_inputs), cache_off, memory, costs_mode:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 _step(model, args, kwargs, loss_fn or default_loss, leaf_inputs, after_forward)
             mark("done", "")
     finally:
         for h in handles + grad_hooks:
             h.remove()
 
-    spans, phases, recompute, event_spans, backward_now, ended_before = _timeline(tree, events)
+    spans, phases, event_spans, backward_now, ended_before = _timeline(
+        tree, events, {path: now for path, (_, now) in unpacked.items()}
+    )
     freeable, charged = _freeable(tree, savers, input_keys)
     ends = {path: end for path, (_, end) in spans.items()}
     released = _released(tree, savers, input_keys, output_keys, ends)
@@ -455,7 +482,28 @@ def profile(
             ]
         )
 
-    runs = _runs(tree, savers, input_keys, events, event_spans, backward_now)
+    def recompute_peak(path: str, freed: int, kept: dict[int, tuple[int, int]]) -> int:
+        """The live bytes at the peak of a recompute of ``path`` that frees ``freed`` and,
+        if selective, takes ``kept`` from its cache (0 when its backward never ran): when it
+        begins, those of the step without recompute less ``freed``; then, at each moment of
+        its forward up to its last save (where checkpoint's early stop ends the recompute),
+        plus what the forward had added since the node began, less the kept outputs made
+        before that moment (in the cache from the start, so counted already)."""
+        if path not in backward_now:
+            return 0
+        made = sorted((costs_mode.born[uid], size) for uid, (_, size) in kept.items())
+        borns = [b for b, _ in made]
+        before = [0, *itertools.accumulate(size for _, size in made)]
+        first, last = event_spans[path]
+        stop, high = last_save.get(path, (first + 1, events[first][3]))
+        moments = [(i, events[i][2]) for i in range(first + 1, min(stop, last + 1))]
+        began = events[first][3]
+        most = max(
+            b - began - before[bisect.bisect_left(borns, i)] for i, b in [*moments, (stop, high)]
+        )
+        return backward_now[path] - freed + most
+
+    runs = _runs(tree, savers, input_keys, events, event_spans, backward_now, unpacked, last_save)
     own_seconds: dict[str, float] = defaultdict(float)
     op_seconds: dict[tuple[str, str], float] = defaultdict(float)
     op_overhead, selective_op_overhead = DEFAULT_OVERHEADS
@@ -491,16 +539,19 @@ def profile(
             kept_seconds = op_time(node.path, mode, mine.flops, mine.written) + sum(
                 k.op_seconds - k.selective_ways[m].op_seconds for k in kids
             )
+            way_freeable = freeable[node.path] - _kept_cost(
+                node.path, kept[mode], kept_savers, input_keys[node.path]
+            )
             ways.append(
                 SelectiveCost(
                     mode=mode,
                     save_ops=save_ops,
-                    freeable=freeable[node.path]
-                    - _kept_cost(node.path, kept[mode], kept_savers, input_keys[node.path]),
+                    freeable=way_freeable,
                     flops=flops - kept_flops,
                     written=written - kept_written,
                     held=charged[node.path],
                     held_from=held_from(node.path, kept[mode]),
+                    recompute_peak=recompute_peak(node.path, way_freeable, kept[mode]),
                     op_seconds=max(0.0, seconds - kept_seconds),
                 )
             )
@@ -519,7 +570,7 @@ def profile(
             freeable=freeable[node.path],
             start=spans[node.path][0],
             end=spans[node.path][1],
-            recompute_peak=recompute.get(node.path, 0),
+            recompute_peak=recompute_peak(node.path, freeable[node.path], {}),
             runs=runs.get(node.path, ()),
             written=written,
             selective_freeable=first.freeable,
@@ -548,9 +599,14 @@ def profile(
     )
 
 
-def _timeline(tree: Node, events: list[tuple[str, str, int, int]]) -> tuple[Any, ...]:
-    """Spans of the nodes, the memory points of the step, and each node's recompute peak
-    (see :class:`Profile` and :class:`NodeCost`).
+def _timeline(
+    tree: Node, events: list[tuple[str, str, int, int]], unpacked: dict[str, int]
+) -> tuple[Any, ...]:
+    """Spans of the nodes, the memory points of the step (see :class:`Profile`), each node's
+    first and last event, the live bytes when its recompute would begin (``unpacked``: when
+    backward first used what it saved, later than its backward's start by the gradients of
+    the ops after its last saving one; else when its backward began), and the number of
+    nodes that had ended before each event.
 
     Nodes are numbered by the time their last forward call ended (``end``); ``start`` is the
     number of nodes that had ended before the node's first call began. A point ``(p, bytes)``
@@ -559,24 +615,12 @@ def _timeline(tree: Node, events: list[tuple[str, str, int, int]]) -> tuple[Any,
     """
     last_end: dict[str, int] = {}
     first_start: dict[str, int] = {}
-    transient: dict[str, int] = defaultdict(int)
-    calls: list[tuple[str, int]] = []
-    highest: list[int] = []  # the highest live bytes seen inside each open call
     loss_at = next(i for i, e in enumerate(events) if e[0] == "loss")
-    for i, (kind, path, peak, now) in enumerate(events):
-        if highest:
-            highest[-1] = max(highest[-1], peak)
+    for i, (kind, path, _, _) in enumerate(events):
         if kind == "end":
             last_end[path] = i
-            calls.pop()
-            top = highest.pop()
-            transient[path] = max(transient[path], top - now)
-            if highest:
-                highest[-1] = max(highest[-1], top)
         elif kind == "start":
             first_start.setdefault(path, i)
-            calls.append((path, i))
-            highest.append(now)
     order = sorted(last_end, key=last_end.__getitem__)
     index = {path: k for k, path in enumerate(order)}
     ended_before = [0] * (len(events) + 1)  # ended_before[i]: nodes whose last end is < i
@@ -592,7 +636,6 @@ def _timeline(tree: Node, events: list[tuple[str, str, int, int]]) -> tuple[Any,
         if n.path in last_end
     }
     peaks: tuple[dict[int, int], dict[int, int]] = ({}, {})  # in the forward, after it
-    recompute: dict[str, int] = {}
     backward_now: dict[str, int] = {}
     started = [False] * len(order)
     prefix = len(order)  # nodes 0..prefix-1 have all not begun their backward
@@ -604,11 +647,10 @@ def _timeline(tree: Node, events: list[tuple[str, str, int, int]]) -> tuple[Any,
         if kind == "backward" and path in index and not started[index[path]]:
             started[index[path]] = True
             prefix = min(prefix, index[path])
-            recompute[path] = now + transient[path]
-            backward_now[path] = now
+            backward_now[path] = unpacked.get(path, now)
     event_spans = {path: (first_start[path], last_end[path]) for path in last_end}
     points = tuple(tuple(sorted(phase.items())) for phase in peaks)
-    return spans, points, recompute, event_spans, backward_now, ended_before
+    return spans, points, event_spans, backward_now, ended_before
 
 
 def _inside(path: str, ancestor: str) -> bool:
@@ -739,9 +781,13 @@ def _runs(
     events: list[tuple[str, str, int, int]],
     event_spans: dict[str, tuple[int, int]],
     backward_now: dict[str, int],
+    unpacked: dict[str, tuple[int, int]],
+    last_save: dict[str, tuple[int, int]],
 ) -> dict[str, tuple[tuple[int, int, int, int], ...]]:
     """Costs of recomputing runs of consecutive children of each plain ``nn.Sequential``
-    (whose stock forward chains its children), as :func:`_freeable` does for one node."""
+    (whose stock forward chains its children), as :func:`_freeable` does for one node (a
+    run's recompute begins when backward first uses what any of its children saved, and ends
+    at the last save of any)."""
     found: dict[str, tuple[tuple[int, int, int, int], ...]] = {}
     for node in tree.walk():
         module = node.module
@@ -785,16 +831,24 @@ def _runs(
                     charges[j] += size
             start_event = event_spans[kids[i].path][0]
             freed = 0
+            first: tuple[int, int] | None = None  # the first use of what the run saved
+            stop: tuple[int, int] | None = None  # its last save
             for j in range(i + 1, min(n, i + MAX_RUN) + 1):
                 freed += gain[i][j]
+                use = unpacked.get(kids[j - 1].path)
+                if use is not None and (first is None or use < first):
+                    first = use
+                stop = max(stop or (0, 0), last_save.get(kids[j - 1].path, (0, 0)))
                 if j - i < 2:
                     continue
                 last = kids[j - 1].path
-                end_event = event_spans[last][1]
-                high = max(e[2] for e in events[start_event + 1 : end_event + 1])
-                transient = max(0, high - events[end_event][3])
-                peak = backward_now[last] + transient if last in backward_now else 0
-                runs.append((i, j, freed - charges[j], peak))
+                end_event = min(event_spans[last][1], stop[0] - 1)
+                high = max([e[2] for e in events[start_event + 1 : end_event + 1]] + [stop[1]])
+                added = high - events[start_event][3]
+                begins = backward_now.get(last, 0) if first is None else first[1]
+                frees = freed - charges[j]
+                peak = begins - frees + added if last in backward_now else 0
+                runs.append((i, j, frees, peak))
         found[node.path] = tuple(runs)
     return found
 

@@ -122,7 +122,14 @@ def keeps(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], packets: fro
 
 def context_fn(save_ops: Sequence[str]) -> Any:
     """The ``context_fn`` for ``checkpoint`` that keeps the outputs of ``save_ops`` (except
-    calls that draw random numbers, see :func:`keeps`) and recomputes the rest."""
+    calls that draw random numbers, see :func:`keeps`) and recomputes the rest.
+
+    Its recompute context empties the cache when the recompute ends. Checkpoint's early stop
+    ends a recompute once every tensor backward needs is back, so the kept outputs of the ops
+    after that (the output of the module's last matmul, typically) are never taken out of the
+    cache, which would otherwise hold them until the autograd graph is freed, after the whole
+    backward. Nothing else reads the cache: a second backward through a selectively
+    checkpointed module is an error either way."""
     packets = resolve(tuple(save_ops))
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -130,4 +137,24 @@ def context_fn(save_ops: Sequence[str]) -> Any:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return functools.partial(create_selective_checkpoint_contexts, policy)
+    def contexts() -> tuple[Any, Any]:
+        forward, recompute = create_selective_checkpoint_contexts(policy)
+        recompute.__class__ = _emptying(type(recompute))
+        return forward, recompute
+
+    return contexts
+
+
+@functools.cache
+def _emptying(mode: type) -> type:
+    """``mode`` (selective checkpointing's recompute mode) whose cache is emptied on exit."""
+
+    class Emptying(mode):  # type: ignore[misc, valid-type]
+        def __exit__(self, *exc: Any) -> Any:
+            try:
+                return super().__exit__(*exc)
+            finally:
+                self.storage.clear()
+
+    Emptying.__name__ = Emptying.__qualname__ = f"Emptying{mode.__name__}"
+    return Emptying
