@@ -218,3 +218,33 @@ def test_a_checkpointed_forward_is_priced_point_by_point(entries, selective):
         after = prof["1.0"].end + 1
         assert measured[after] == predicted(after) == baseline[after] - 8 * MiB
     assert prof["1"].held_from == ((prof["1.0"].end + 1, -8 * MiB), (prof["1.1"].end + 1, -8 * MiB))
+
+
+@pytest.mark.parametrize(
+    ("entries", "selective"),
+    [
+        (["1"], []),
+        (["0"], []),
+        (["0", "1"], ["0", "1"]),
+        (["1.0", "1.1"], []),
+        (["0.0", "0.1", "1"], ["1"]),
+    ],
+)
+def test_predicted_step_peak_is_the_measured_one_on_nested_blocks(entries, selective):
+    """The whole model, recompute peaks included: the prediction for a set of entries (whole
+    or selective) is the measured peak of the step, to the byte."""
+    from autoremat.plan import planning_tree
+    from autoremat.strategies.budget import predict_peak
+
+    model, x = nested_blocks(), torch.randn(2048, 512)
+    prof = autoremat.profile(model, (x,))
+    items = {i.path: i for i in planning_tree(prof).walk()}
+    chosen = [
+        next(o for o in items[e].options if o.mode == "selective") if e in selective else items[e]
+        for e in entries
+    ]
+    predicted = predict_peak(prof.backward_points, chosen, prof.forward_points)
+    autoremat.wrap.apply(model, entries, selective=selective)
+    measured = autoremat.measure(model, (x,)).peak
+    autoremat.remove(model)
+    assert predicted == measured

@@ -91,9 +91,10 @@ class NodeCost:
     nothing inside it saved (the checkpoint keeps every input until the node's backward,
     longer than they would otherwise live). It can be negative.
     ``start`` and ``end`` place the node in the step (see :class:`Profile`).
-    ``recompute_peak`` is the live bytes, in the step without recompute, when the node's
-    backward began, plus the most its forward ever held beyond what it left behind (the
-    temporaries a recompute adds at that moment); 0 when its backward never ran.
+    ``recompute_peak`` is the most live bytes while a checkpoint of the node recomputes: from
+    when backward first used what it saved (the live bytes of the step without recompute then,
+    less ``freeable``), what its forward had added since it began, up to its last save (where
+    checkpoint's early stop ends the recompute); 0 when its backward never ran.
     ``runs`` is set for a plain ``nn.Sequential``: ``(i, j, freeable, recompute_peak)`` for each
     run ``[i:j)`` of two or more consecutive children, which can be recomputed as one.
     ``written`` is the bytes of new storages its forward's ops wrote. ``selective_*`` are

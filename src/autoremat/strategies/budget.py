@@ -12,12 +12,12 @@ Cost model (see NOTE in the README for the reasoning and the measured error):
   Recomputing a set ``S`` of nodes, never one inside another, lowers that moment to
   ``bytes - sum(freed[s] for s in S if end[s] < p)``: before a node's backward starts, its
   activations are gone; once it starts, the recompute brings them all back, exactly as they
-  were in the step without recompute, gradients and all. The recompute also holds, for a
-  moment, the temporaries its forward made and dropped: each chosen node adds the point
-  ``(start[s], recompute_peak[s])``, the live bytes when its backward began plus those
-  temporaries. At the points inside its span (``start[s] < p <= end[s]``), a chosen node
-  holds more than the step without recompute (or fewer), and how much depends on the phase:
-  points come in two lists, those of the forward pass (``forward``) and those after it.
+  were in the step without recompute, gradients and all. The recompute itself adds the point
+  ``(start[s], recompute_peak[s])``: the most live bytes while it runs, temporaries included
+  (:class:`autoremat.profile.NodeCost`). At the points inside its span
+  (``start[s] < p <= end[s]``), a chosen node holds more than the step without recompute (or
+  fewer), and how much depends on the phase: points come in two lists, those of the forward
+  pass (``forward``) and those after it.
   While its own forward runs, it holds :meth:`Item.held_at` ``(p)``: the inputs the
   checkpoint keeps, from its start; less what its finished parts saved, which a
   checkpointed forward drops; more, for a selective recompute, each kept output nothing else
@@ -266,7 +266,11 @@ def solve(
 
     def take(item: Item, states: list[_State]) -> list[_State]:
         """The states in which recomputing ``item`` whole fits, with it recomputed."""
-        fits = feasible(states, max(item.worst_inside(during, after), item.recompute_peak))
+        if item.inside_from:
+            worst = item.worst_inside(during, after)
+        else:  # the same in both phases (the common case, kept fast)
+            worst = max(need[item.start + 1 : item.end + 1], default=-item.inside) + item.inside
+        fits = feasible(states, max(worst, item.recompute_peak))
         # those that reach the cap become equal: keep the cheapest (the last) of them
         capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
         fits = fits[max(0, capped - 1) :]
