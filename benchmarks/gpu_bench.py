@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from autoremat.measure import default_loss
 from torch import nn
 
 from autoremat.bench import (
@@ -54,7 +55,6 @@ from autoremat.bench import (
     to_markdown,
 )
 from autoremat.examples import ConvNet, Example, TinyGPT, _transformers
-from autoremat.measure import default_loss
 from autoremat.snapshot import preserved
 
 LEVELS = (1, 4, 16)

@@ -6,10 +6,18 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from torch import nn
 
 from autoremat.examples import EXAMPLES
-from autoremat.tree import iter_tensors
+from autoremat.nested import iter_tensors
+
+# No test may depend on timing: hypothesis's per-example deadline (200 ms by default) and its
+# too-slow health check fail tests on a busy machine, so both are off for every property test.
+settings.register_profile(
+    "autoremat", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("autoremat")
 
 
 def loss_of(output: Any) -> torch.Tensor:

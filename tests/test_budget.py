@@ -24,18 +24,19 @@ from hypothesis import strategies as st
 from torch import nn
 
 import autoremat
+from autoremat import solver as budget_mod
 from autoremat.examples import EXAMPLES
-from autoremat.plan import HEADROOM, planning_tree
-from autoremat.strategies import budget as budget_mod
-from autoremat.strategies.budget import (
+from autoremat.planning_tree import planning_tree
+from autoremat.sizes import parse_budget
+from autoremat.solver import (
     FLOPS_PER_SECOND,
     Infeasible,
     Item,
     min_peak,
-    parse_budget,
     predict_peak,
     solve,
 )
+from autoremat.strategies.budget import HEADROOM
 from conftest import assert_same_step
 
 
@@ -95,7 +96,7 @@ def subtree(item: Item) -> frozenset[str]:
 
 def key(item: Item) -> str:
     """An option's name: its path, and its way of recompute unless whole."""
-    return item.path if item.mode == "full" else f"{item.path}~{item.mode}"
+    return item.path if item.way == "full" else f"{item.path}~{item.way}"
 
 
 def options_of(root: Item) -> dict[str, tuple[Item, frozenset[str]]]:
@@ -107,7 +108,7 @@ def options_of(root: Item) -> dict[str, tuple[Item, frozenset[str]]]:
     for node in root.walk():
         if not node.candidate:
             continue
-        for whole in (node, *node.options):
+        for whole in (node, *node.other_ways):
             if whole.freed > 0:
                 found[key(whole)] = (whole, subtree(node))
         for i, j, freed, flops, peak in node.runs:
@@ -158,9 +159,9 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
                 flops=draw(flops_st),
                 recompute_peak=draw(peak_st),
                 written=draw(written_st),
-                inside=draw(inside_st),
-                inside_from=draw(steps_st(start, end)),
-                mode=mode,
+                held=draw(inside_st),
+                held_from=draw(steps_st(start, end)),
+                way=mode,
                 seconds=seconds(),
             )
             for mode in draw(st.sampled_from([(), ("selective",), ("selective", "selective-bmm")]))
@@ -176,9 +177,9 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
             recompute_peak=draw(peak_st),
             runs=runs,
             written=draw(written_st),
-            inside=draw(inside_st),
-            inside_from=draw(steps_st(start, end)),
-            options=options,
+            held=draw(inside_st),
+            held_from=draw(steps_st(start, end)),
+            other_ways=options,
             seconds=seconds(),
         )
 
@@ -363,7 +364,7 @@ def test_a_chosen_node_holds_its_inside_bytes_during_its_own_forward():
     """Inputs the checkpoint keeps (and a selective recompute's cache) are alive longer than
     without recompute: at the points inside the node's span, not before it or after it."""
     kids = tuple(dataclasses.replace(k, candidate=False) for k in (A, B))
-    r = Item("r", start=0, end=2, freed=60, flops=25, children=kids, inside=7)
+    r = Item("r", start=0, end=2, freed=60, flops=25, children=kids, held=7)
     # points 1 and 2 are inside r's span (0 < p <= 2); 3 is after it, 0 before its first end
     assert predict_peak(POINTS, [r]) == max(10, 50 + 7, 80 + 7, 100 - 60)
     assert solve(r, POINTS, 87) == [r]
@@ -373,13 +374,13 @@ def test_a_chosen_node_holds_its_inside_bytes_during_its_own_forward():
 
 def test_a_checkpointed_forward_drops_what_its_finished_parts_saved():
     """In the forward (``forward`` points), a chosen node holds ``held_at(p)`` more: its
-    ``inside`` bytes, then less what its finished children saved (dropped by the checkpoint,
+    ``held`` bytes, then less what its finished children saved (dropped by the checkpoint,
     here a's 30 bytes from point 1 on) and more a cached output made at point 2. After the
-    forward (``points``: its backward), the recompute has brought all back: ``inside`` only."""
+    forward (``points``: its backward), the recompute has brought all back: ``held`` only."""
     kids = tuple(dataclasses.replace(k, candidate=False) for k in (A, B))
     r = Item(
-        "r", start=0, end=2, freed=60, flops=25, children=kids, inside=7,
-        inside_from=((1, -30), (2, 5)),
+        "r", start=0, end=2, freed=60, flops=25, children=kids, held=7,
+        held_from=((1, -30), (2, 5)),
     )  # fmt: skip
     assert [r.held_at(p) for p in (1, 2)] == [7 - 30, 7 - 30 + 5]
     assert r.held_in_backward == 7

@@ -37,8 +37,10 @@ from torch.utils.checkpoint import checkpoint
 import autoremat
 from autoremat import wrap
 from autoremat.examples import EXAMPLES
-from autoremat.measure import _leaf_inputs, _restored, _step, default_loss
 from autoremat.memory import LiveMemory
+from autoremat.snapshot import preserved
+from autoremat.step import default_loss, leaf_inputs
+from autoremat.step import train_step as one_step
 from conftest import train_step
 
 pytestmark = [
@@ -108,9 +110,10 @@ def batch() -> torch.Tensor:
 
 def live_step(model: nn.Module, args: tuple, kwargs: dict | None = None) -> tuple[int, int]:
     """(peak, saved) of one training step by the storage tracker, on whatever device."""
-    inputs = _leaf_inputs(args, kwargs)
-    with _restored(model, inputs), LiveMemory() as memory:
-        _step(model, args, kwargs, default_loss, inputs, lambda: memory.snapshot("forward"))
+    inputs = leaf_inputs(args, kwargs)
+    with preserved(model, inputs), LiveMemory() as memory:
+        forward_ends = lambda: memory.snapshot("forward")  # noqa: E731
+        one_step(model, args, kwargs, default_loss, after_forward=forward_ends)
     return memory.peak, memory.marks["forward"]
 
 
@@ -123,9 +126,9 @@ def settle() -> None:
 def warm_up(model: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
     """One step, so that cuBLAS has its workspaces for the forward thread and the autograd
     device thread (allocated on first use, kept for good, counted by the allocator)."""
-    inputs = _leaf_inputs(args, kwargs)
-    with _restored(model, inputs):
-        _step(model, args, kwargs, default_loss, inputs)
+    inputs = leaf_inputs(args, kwargs)
+    with preserved(model, inputs):
+        one_step(model, args, kwargs, default_loss)
     settle()
 
 
@@ -272,9 +275,9 @@ def test_profile_on_cuda_gives_the_cpu_bytes_and_flops(name):
         assert not differ, differ
         for c in cpu:
             g = cuda[c.path]
-            assert (g.saved, g.freeable, g.recompute_peak, g.runs) == (
+            assert (g.saved, g.freed, g.recompute_peak, g.runs) == (
                 c.saved,
-                c.freeable,
+                c.freed,
                 c.recompute_peak,
                 c.runs,
             ), c.path
@@ -402,23 +405,23 @@ def test_wrapped_training_step_identical_on_cuda(name, segments):
 def test_every_selective_way_trains_identically_on_cuda(name):
     """Every block recomputed in each selective way (the kept ops' outputs cached, random ops
     replayed), on CUDA: same loss, gradients and buffers as the plain model."""
-    from autoremat.selective import POLICIES
+    from autoremat.selective import WAYS
 
-    for mode, ops in POLICIES.items():
+    for way, ops in WAYS.items():
         model, args, kwargs = example(name)
         reference = copy.deepcopy(model)
         entries = [
             e for e in autoremat.plan(model, args, kwargs, segments=8).modules if "[" not in e
         ]
         wrap.apply(model, entries, selective=dict.fromkeys(entries, ops))
-        print(f"{name} {mode}: {entries}")
+        print(f"{name} {way}: {entries}")
         assert_same_step(reference, model, args, kwargs)
 
 
 def test_profile_times_ops_on_cuda_and_prices_plans_by_time():
     """Op times (synchronised around each op) and per-op overheads on CUDA are positive; a
     time-priced budget plan reports its seconds and meets its budget in storage bytes."""
-    from autoremat.profile import overheads
+    from autoremat.costs import overheads
 
     full, selective = overheads(torch.device(DEVICE))
     assert 0 < full <= selective

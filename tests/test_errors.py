@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import autoremat
-from autoremat.plan import Plan
+from autoremat.plans import Plan
 from autoremat.wrap import wrapped_paths
 
 

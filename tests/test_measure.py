@@ -30,8 +30,9 @@ from torch.utils.checkpoint import (
 )
 
 from autoremat.examples import EXAMPLES
-from autoremat.measure import Measurement, default_loss, measure
+from autoremat.measurement import Measurement, measure
 from autoremat.memory import LiveMemory
+from autoremat.step import default_loss
 from autoremat.wrap import apply, remove
 
 MiB = 2**20
@@ -377,7 +378,7 @@ def test_measurement_str_and_timing():
     assert isinstance(m, Measurement) and m.seconds > 0
     assert m.saved == MiB + LOSS and m.peak == 2 * MiB + LOSS + ONES
     text = str(m)
-    assert "2.0 MiB" in text and "GFLOP" in text and "\n" not in text
+    assert "2.00 MiB" in text and "GFLOP" in text and "\n" not in text
 
 
 def test_cuda_memory_figures_are_frozen_when_the_block_exits(monkeypatch):

@@ -13,7 +13,7 @@ from torch import nn
 
 import autoremat
 from autoremat.examples import EXAMPLES
-from autoremat.plan import FORMAT, Plan, fingerprint, structure
+from autoremat.plans import FORMAT, Plan, fingerprint, structure
 from autoremat.wrap import wrapped_paths
 from conftest import assert_same_step
 

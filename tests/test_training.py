@@ -419,7 +419,7 @@ def test_encoder_decoder_with_the_cache_hook_removed_fails_clearly(name):
     model, kwargs, labels = _seq2seq(name)
     autoremat.plan(model, (), kwargs, segments=3).apply(model)
     for module in model.modules():  # the top model's hook, and the stacks'
-        hook = autoremat.wrap._cache_hooks.pop(module, None)
+        hook = autoremat.huggingface._cache_hooks.pop(module, None)
         if hook is not None:
             hook.remove()
     loss = F.cross_entropy(model(**kwargs).logits.flatten(0, 1), labels.flatten())

@@ -1,25 +1,35 @@
 """autoremat: choose which submodules of a PyTorch model to recompute in backward, apply it,
 and show what it saved.
 
-The pipeline is ``model -> tree -> plan -> wrapped model``::
+The pipeline is ``model -> tree -> profile -> plan -> wrapped model``::
 
     tree = autoremat.build_tree(model, args, kwargs)   # the modules that ran, with their I/O
-    plan = autoremat.plan(model, args, kwargs, segments=3)
+    plan = autoremat.plan(model, args, kwargs, budget="50%")   # or segments=3
     plan.apply(model)                                  # wraps plan.modules in place
     autoremat.remove(model)                            # gives the original model back
     autoremat.measure(model, args, kwargs)             # peak, saved, FLOPs, seconds of a step
     autoremat.profile(model, args, kwargs)             # per-module costs on the tree
+
+Where things live: ``tree`` (claim 1), ``costs/`` (recording a step and the cost model),
+``solver`` and ``planning_tree`` (the budget solver and its input), ``strategies/`` (one file
+per strategy), ``plans`` (the Plan and its JSON), ``planner`` (``plan()``), ``wrap`` (claim 4),
+``measurement`` (``measure()``).
 """
 
+from autoremat.costs import NodeCost, Profile, WayCost, profile
 from autoremat.distributed import broadcast_plan
-from autoremat.measure import Measurement, default_loss, measure
+from autoremat.measurement import Measurement, measure
 from autoremat.memory import LiveMemory
-from autoremat.plan import Plan, plan
-from autoremat.profile import NodeCost, Profile, profile
+from autoremat.planner import lowest_budget, plan
+from autoremat.plans import Choice, Plan
+from autoremat.step import default_loss
+from autoremat.strategies.budget import BudgetTooLow
 from autoremat.tree import ExampleInputsError, Node, TensorInfo, build_tree
 from autoremat.wrap import remove, wrapped_paths
 
 __all__ = [
+    "BudgetTooLow",
+    "Choice",
     "ExampleInputsError",
     "LiveMemory",
     "Measurement",
@@ -28,9 +38,11 @@ __all__ = [
     "Plan",
     "Profile",
     "TensorInfo",
+    "WayCost",
     "broadcast_plan",
     "build_tree",
     "default_loss",
+    "lowest_budget",
     "measure",
     "plan",
     "profile",

@@ -50,7 +50,6 @@ import csv
 import dataclasses
 import gc
 import math
-import re
 import statistics
 import sys
 import time
@@ -64,11 +63,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from autoremat import wrap
-from autoremat.measure import default_loss, measure
-from autoremat.plan import plan
+from autoremat import huggingface, wrap
+from autoremat.measurement import measure
+from autoremat.nested import iter_tensors, run_model
+from autoremat.planner import lowest_budget, plan
 from autoremat.snapshot import preserved
-from autoremat.tree import Node, build_tree, iter_tensors, run_model
+from autoremat.step import default_loss
+from autoremat.tree import Node, build_tree
 
 __all__ = [
     "Row",
@@ -168,7 +169,7 @@ def no_recompute() -> Strategy:
     recompute, not one that also fills a cache."""
 
     def apply(model: nn.Module, args: Args, kwargs: Kwargs) -> nn.Module:
-        wrap._disable_hf_cache_in_training(model, warn=False)
+        huggingface.turn_cache_off_in_training(model, warn=False)
         return model
 
     return Strategy(BASELINE, apply)
@@ -290,13 +291,7 @@ def budget(target: float | str, *, selective: bool = True, objective: str = "tim
     def apply(model: nn.Module, args: Args, kwargs: Kwargs) -> nn.Module | None:
         spec: float | int | str = target
         if target == "min":
-            try:
-                plan(model, args, kwargs, budget=1, selective=selective)
-            except ValueError as exc:
-                found = re.search(r"Try budget=(\d+)", str(exc))
-                if found is None:
-                    raise
-                spec = int(found.group(1))
+            spec = lowest_budget(model, args, kwargs, selective=selective)
         chosen = plan(model, args, kwargs, budget=spec, selective=selective, objective=objective)
         applied = chosen.apply(model)
         assert chosen.estimated_peak is not None and chosen.budget is not None

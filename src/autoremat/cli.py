@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from autoremat.examples import EXAMPLES, Example
-from autoremat.plan import Plan, plan
+from autoremat.planner import plan
+from autoremat.plans import Plan
 from autoremat.tree import build_tree
 
 
@@ -69,7 +70,7 @@ def load_target(target: str) -> Example:
 
 
 def _step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int) -> float:
-    from autoremat.measure import default_loss
+    from autoremat.step import default_loss
 
     torch.manual_seed(seed)
     loss = default_loss(model(*args, **kwargs))
@@ -90,7 +91,7 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
 def demo(target: str, segments: int, budget: str) -> int:
     """Plan and apply on an example with both strategies; show the tree, the choices, what
     each saved (measured) and that one training step is identical to the unwrapped model's."""
-    from autoremat.measure import measure
+    from autoremat.measurement import measure
 
     model, args, kwargs = load_target(target)
     levels = plan(model, args, kwargs, segments=segments)
@@ -133,7 +134,7 @@ def demo(target: str, segments: int, budget: str) -> int:
 def _measured(chosen: Plan, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """The measured step peak of ``chosen`` applied to a copy of ``model``, against its
     prediction."""
-    from autoremat.measure import measure
+    from autoremat.measurement import measure
 
     wrapped = chosen.apply(copy.deepcopy(model))
     peak = measure(wrapped, args, kwargs).peak

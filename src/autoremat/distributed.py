@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from autoremat.plan import Plan
+from autoremat.plans import Plan
 
 __all__ = ["broadcast_plan"]
 

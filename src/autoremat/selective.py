@@ -9,7 +9,7 @@ almost no FLOPs, and the memory kept is what those ops wrote.
 
 Ops are named as ``torch.ops`` spells them without the overload, ``"aten.mm"``. The kept outputs
 live outside autograd's saved tensors (``saved_tensors_hooks`` does not see them); the memory
-tracker of :mod:`autoremat.memory` does, and the profile prices them (:mod:`autoremat.profile`).
+tracker of :mod:`autoremat.memory` does, and the profile prices them (:mod:`autoremat.costs`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,19 @@ from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+__all__ = [
+    "BATCHED_MATMUL_OPS",
+    "DEFAULT_SAVE_OPS",
+    "FULL",
+    "WAYS",
+    "check_names",
+    "context_fn",
+    "draws_random",
+    "keeps",
+    "op_name",
+    "resolve",
+]
 
 # The expensive ops: their outputs are kept, everything else is recomputed.
 DEFAULT_SAVE_OPS: tuple[str, ...] = (
@@ -40,11 +53,13 @@ DEFAULT_SAVE_OPS: tuple[str, ...] = (
 # values (probs @ v); rarely a product with parameters.
 BATCHED_MATMUL_OPS: tuple[str, ...] = ("aten.bmm", "aten.baddbmm")
 
-# The ways a module can be recomputed selectively: mode -> the ops whose outputs it keeps.
-# "selective" keeps every expensive op; "selective-bmm" recomputes the batched matrix products
-# too (Megatron's selective recompute of the attention core: the T x T scores, their softmax
-# and dropout are recomputed, the projections kept), which frees more for a few more FLOPs.
-POLICIES: dict[str, tuple[str, ...]] = {
+# The ways a module can be recomputed besides whole ("full"): selectively, keeping the outputs
+# of these ops. "selective" keeps every expensive op; "selective-bmm" recomputes the batched
+# matrix products too (Megatron's selective recompute of the attention core: the T x T scores,
+# their softmax and dropout are recomputed, the projections kept), which frees more for a few
+# more FLOPs. A way is named the same in the profile, the solver, the plan and its JSON.
+FULL = "full"
+WAYS: dict[str, tuple[str, ...]] = {
     "selective": DEFAULT_SAVE_OPS,
     "selective-bmm": tuple(op for op in DEFAULT_SAVE_OPS if op not in BATCHED_MATMUL_OPS),
 }

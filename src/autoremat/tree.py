@@ -12,15 +12,18 @@ did not run and have no descendant that ran are left out.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from autoremat.classes import own_class
+from autoremat.nested import iter_tensors, run_model
 from autoremat.snapshot import preserved
+
+__all__ = ["ExampleInputsError", "Node", "TensorInfo", "build_tree", "tensor_infos"]
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,7 @@ class Node:
     @property
     def type_name(self) -> str:
         """The module's own class name (the class it had before autoremat wrapped it)."""
-        cls = type(self.module)
-        return getattr(cls, "_autoremat_base", cls).__name__
+        return own_class(self.module).__name__
 
     @property
     def input_bytes(self) -> int:
@@ -92,7 +94,7 @@ class Node:
     def render(self, marked: frozenset[str] = frozenset(), max_io: int = 2) -> str:
         """An indented listing: one line per node with its type, calls and I/O shapes.
 
-        Paths in ``marked`` are shown with a ``*`` (used by :class:`~autoremat.plan.Plan`).
+        Paths in ``marked`` are shown with a ``*`` (used by :class:`~autoremat.plans.Plan`).
         """
         lines: list[str] = []
 
@@ -135,28 +137,6 @@ def tensor_infos(obj: Any, where: str) -> list[TensorInfo]:
     return found
 
 
-def iter_tensors(obj: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(where, tensor)`` for every tensor nested in ``obj`` (see :func:`tensor_infos`)."""
-    if isinstance(obj, torch.Tensor):
-        yield where, obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from iter_tensors(value, f"{where}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from iter_tensors(value, f"{where}[{i}]")
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name), f"{where}.{f.name}")
-
-
-def run_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
-    """Call ``model(*args, **kwargs)``; a bare ``args`` that is not a tuple is one argument."""
-    if not isinstance(args, tuple):
-        args = (args,)
-    return model(*args, **(kwargs or {}))
-
-
 class ExampleInputsError(ValueError, RuntimeError):
     """The example inputs failed in the model's forward; the message names the module where.
     A ``ValueError`` (a bad argument), and a ``RuntimeError`` like the error it wraps."""
@@ -181,35 +161,17 @@ def build_tree(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    paths = {id(m): p for p, m in model.named_modules()}
-    calls: dict[int, int] = {}
-    first_io: dict[int, tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]] = {}
-    pending_inputs: dict[int, tuple[TensorInfo, ...]] = {}
-    running: list[str] = []
-
-    def pre_hook(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
-        key = id(module)
-        running.append(paths.get(key, "?"))
-        calls[key] = calls.get(key, 0) + 1
-        if calls[key] == 1:
-            pending_inputs[key] = tuple(tensor_infos(a, "args") + tensor_infos(kw, "kwargs"))
-
-    def post_hook(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any], out: Any) -> None:
-        key = id(module)
-        running.pop()
-        if key in pending_inputs:
-            first_io[key] = (pending_inputs.pop(key), tuple(tensor_infos(out, "out")))
-
+    calls = _Calls({id(m): p for p, m in model.named_modules()})
     handles = []
     try:
         for m in dict.fromkeys(model.modules()):
-            handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            handles.append(m.register_forward_hook(post_hook, with_kwargs=True))
+            handles.append(m.register_forward_pre_hook(calls.pre_hook, with_kwargs=True))
+            handles.append(m.register_forward_hook(calls.post_hook, with_kwargs=True))
         with preserved(model), torch.no_grad():
             try:
                 run_model(model, args, kwargs)
             except Exception as exc:
-                where = running[-1] if running else ""
+                where = calls.running[-1] if calls.running else ""
                 raise ExampleInputsError(
                     f"the example inputs failed in the forward pass of module "
                     f"{where or '(root)'!r} ({type(exc).__name__}: {exc}); pass args/kwargs "
@@ -218,19 +180,45 @@ def build_tree(
     finally:
         for h in handles:
             h.remove()
+    (root,) = calls.nodes("", model)
+    return root
 
-    def make(path: str, module: nn.Module) -> list[Node]:
+
+class _Calls:
+    """The forward hooks of :func:`build_tree`: which modules ran, how often, with what I/O."""
+
+    def __init__(self, paths: dict[int, str]) -> None:
+        self.paths = paths
+        self.calls: dict[int, int] = {}
+        self.first_io: dict[int, tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]] = {}
+        self.pending: dict[int, tuple[TensorInfo, ...]] = {}
+        self.running: list[str] = []
+
+    def pre_hook(self, module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        key = id(module)
+        self.running.append(self.paths.get(key, "?"))
+        self.calls[key] = self.calls.get(key, 0) + 1
+        if self.calls[key] == 1:
+            self.pending[key] = tuple(tensor_infos(a, "args") + tensor_infos(kw, "kwargs"))
+
+    def post_hook(self, module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any], out: Any):
+        key = id(module)
+        self.running.pop()
+        if key in self.pending:
+            self.first_io[key] = (self.pending.pop(key), tuple(tensor_infos(out, "out")))
+
+    def nodes(self, path: str, module: nn.Module) -> list[Node]:
         """Nodes for ``module``: itself if it ran, else its children that ran (dissolved)."""
         children: list[Node] = []
         for name, child in module.named_children():
             child_path = f"{path}.{name}" if path else name
-            if paths.get(id(child)) != child_path:
+            if self.paths.get(id(child)) != child_path:
                 continue  # a shared module: it lives at its first path only
-            children.extend(make(child_path, child))
+            children.extend(self.nodes(child_path, child))
         key = id(module)
-        if key not in calls and path:
+        if key not in self.calls and path:
             return children
-        inputs, outputs = first_io.get(key, ((), ()))
+        inputs, outputs = self.first_io.get(key, ((), ()))
         return [
             Node(
                 name=path.rsplit(".", 1)[-1],
@@ -239,9 +227,6 @@ def build_tree(
                 children=children,
                 inputs=inputs,
                 outputs=outputs,
-                calls=calls.get(key, 0),
+                calls=self.calls.get(key, 0),
             )
         ]
-
-    (root,) = make("", model)
-    return root

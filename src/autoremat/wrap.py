@@ -32,14 +32,9 @@ What the wrapped ``forward`` guarantees beyond ``checkpoint`` itself:
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import itertools
-import logging
-import re
-import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,14 +42,23 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
-from autoremat import selective as _selective
+from autoremat import huggingface, selective
+from autoremat.classes import BASE_ATTR, is_wrapped
+from autoremat.entries import covered, inside, parse_run, run_entry
+from autoremat.nested import iter_tensors
 
-logger = logging.getLogger("autoremat")
+__all__ = [
+    "Checkpointed",
+    "CheckpointedRuns",
+    "apply",
+    "remove",
+    "selective_paths",
+    "wrapped_paths",
+]
 
 _PATH_ATTR = "_autoremat_path"
 _RUNS_ATTR = "_autoremat_runs"
 _SAVE_ATTR = "_autoremat_save_ops"
-_cache_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 class Wrapped(nn.Module):
@@ -99,7 +103,7 @@ class CheckpointedRuns(Wrapped):
                 k += 1
                 continue
             chunk = children[k:j]
-            input = _checkpoint(f"{path}[{k}:{j}]", chunk, _chain(chunk), (input,), {})
+            input = _checkpoint(run_entry(path, k, j), chunk, _chain(chunk), (input,), {})
             k = j
         return input
 
@@ -125,7 +129,7 @@ def _checkpoint(
     ``save_ops``, selective (the outputs of those ops are kept, the rest recomputed)."""
     extra: dict[str, Any] = {}
     if save_ops is not None:
-        extra["context_fn"] = _selective.context_fn(save_ops)
+        extra["context_fn"] = selective.context_fn(save_ops)
     if torch.compiler.is_compiling():
         return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
     call = _Call(label, owners)
@@ -221,28 +225,9 @@ def _state_signature(
     own = {f"inputs[0][{i}]" for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
     return [
         (where, id(t), tuple(t.shape), _version(t))
-        for where, t in _reachable_tensors((args, kwargs), "inputs", 6)
+        for where, t in iter_tensors((args, kwargs), "inputs", objects=True, depth=6)
         if where not in own
     ]
-
-
-def _reachable_tensors(obj: Any, where: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield where, obj
-        return
-    if depth == 0 or isinstance(obj, (str, bytes, int, float, bool, type(None), nn.Module)):
-        return
-    if isinstance(obj, Mapping):
-        items: Any = obj.items()
-    elif isinstance(obj, (list, tuple)):
-        items = enumerate(obj)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        items = vars(obj).items()
-        where = f"{where}<{type(obj).__name__}>"
-    else:
-        return
-    for key, value in items:
-        yield from _reachable_tensors(value, f"{where}[{key!r}]", depth - 1)
 
 
 @functools.cache
@@ -251,11 +236,8 @@ def _wrapped_class(mixin: type[Wrapped], base: type[nn.Module]) -> type[nn.Modul
     return type(
         f"{mixin.__name__}{base.__name__}",
         (mixin, base),
-        {"_autoremat_base": base, "__module__": __name__},
+        {BASE_ATTR: base, "__module__": __name__},
     )
-
-
-_RUN = re.compile(r"(.*)\[(\d+):(\d+)\]")
 
 
 def wrapped_paths(model: nn.Module) -> tuple[str, ...]:
@@ -266,7 +248,7 @@ def wrapped_paths(model: nn.Module) -> tuple[str, ...]:
         if isinstance(m, Checkpointed):
             found.append(p)
         elif isinstance(m, CheckpointedRuns):
-            found += [f"{p}[{i}:{j}]" for i, j in m.__dict__[_RUNS_ATTR]]
+            found += [run_entry(p, i, j) for i, j in m.__dict__[_RUNS_ATTR]]
     return tuple(found)
 
 
@@ -279,36 +261,24 @@ def selective_paths(model: nn.Module) -> dict[str, tuple[str, ...]]:
     }
 
 
-def covered(entry: str) -> list[str]:
-    """The module paths a plan entry recomputes (a run covers its children)."""
-    match = _RUN.fullmatch(entry)
-    if match is None:
-        return [entry]
-    parent, i, j = match.group(1), int(match.group(2)), int(match.group(3))
-    return [f"{parent}.{k}" if parent else str(k) for k in range(i, j)]
-
-
-def _inside(inner: str, outer: str) -> bool:
-    return outer == "" or inner == outer or inner.startswith(outer + ".")
-
-
 def apply(
     model: nn.Module,
     paths: Sequence[str],
     *,
     selective: Sequence[str] | Mapping[str, Sequence[str]] = (),
-    save_ops: Sequence[str] = _selective.DEFAULT_SAVE_OPS,
+    save_ops: Sequence[str] = selective.DEFAULT_SAVE_OPS,
 ) -> nn.Module:
     """Wrap the plan entries ``paths`` of ``model`` in place; return ``model``.
 
     An entry is a module's qualified name (as in ``model.named_modules()``), or ``path[i:j]``:
     the run of children ``i..j-1`` of the plain ``nn.Sequential`` at ``path``, recomputed as
-    one. The entries also in ``selective`` (module paths, not runs) are recomputed
-    selectively: the outputs of the ops in ``save_ops`` are kept from the forward, the other
-    ops run again (:mod:`autoremat.selective`); ``selective`` may also map each such entry to
-    its own ops (``{"h.0": ("aten.mm", "aten.addmm")}``, as :attr:`Plan.selective` does), and
-    then ``save_ops`` is not used. Nothing is changed when the call raises.
-    Applying the same entries to a model that already has them wrapped is a no-op.
+    one (:mod:`autoremat.entries`). The entries also in ``selective`` (module paths, not runs)
+    are recomputed selectively: the outputs of the ops in ``save_ops`` are kept from the
+    forward, the other ops run again (:mod:`autoremat.selective`); ``selective`` may also map
+    each such entry to its own ops (``{"h.0": ("aten.mm", "aten.addmm")}``, as
+    :attr:`autoremat.Plan.selective` does), and then ``save_ops`` is not used. Nothing is
+    changed when the call raises. Applying the same entries to a model that already has them
+    wrapped is a no-op.
 
     Raises:
         ValueError: an entry names no module of ``model`` (the message lists them), or a run
@@ -319,27 +289,9 @@ def apply(
             not in ``paths`` or a run; a ``save_ops`` name not of the form ``"aten.mm"``.
         TypeError: ``save_ops`` not a sequence of strings.
     """
-    if isinstance(selective, Mapping):
-        wanted_selective = {e: _selective.check_names(ops) for e, ops in selective.items()}
-    else:
-        if isinstance(selective, str):
-            raise TypeError(f"selective must be a sequence of module paths, got {selective!r}")
-        save_ops = _selective.check_names(save_ops)
-        wanted_selective = {e: save_ops for e in selective}
-    odd = [e for e in wanted_selective if e not in paths or _RUN.fullmatch(e)]
-    if odd:
-        raise ValueError(
-            f"selective entries must be module paths among the plan's entries: "
-            f"{', '.join(map(repr, odd[:5]))} {'is' if len(odd) == 1 else 'are'} not"
-        )
+    wanted_selective = _selective_entries(paths, selective, save_ops)
     modules = dict(model.named_modules())
-    missing = [e for e in paths if (_RUN.fullmatch(e) or [None, e])[1] not in modules]
-    if missing:
-        raise ValueError(
-            f"the plan names modules that {type(model).__name__} does not have: "
-            f"{', '.join(map(repr, missing[:5]))}{' ...' if len(missing) > 5 else ''}; "
-            f"make the plan from this model (autoremat.plan(model, ...))"
-        )
+    _check_present(model, paths, modules)
     already = wrapped_paths(model)
     if already:
         if set(already) == set(paths) and selective_paths(model) == wanted_selective:
@@ -349,33 +301,10 @@ def apply(
             f"plan; call autoremat.remove(model) before applying a new one"
         )
     chosen = sorted(set(paths))
-    covers = {e: covered(e) for e in chosen}
-    for a, b in itertools.combinations(chosen, 2):
-        for x in covers[a]:
-            for y in covers[b]:
-                if _inside(x, y) or _inside(y, x):
-                    inner, outer = (a, b) if _inside(x, y) else (b, a)
-                    raise ValueError(
-                        f"module {inner or '(root)'!r} is inside {outer or '(root)'!r}: "
-                        f"recomputes would nest; keep only one of them in the plan"
-                    )
-    runs: dict[str, list[tuple[int, int]]] = {}
+    _check_not_nested(chosen)
+    runs = _runs_by_parent(chosen, modules)
     for e in chosen:
-        match = _RUN.fullmatch(e)
-        if match is None:
-            _check_wrappable(e, modules[e])
-            continue
-        parent, i, j = match.group(1), int(match.group(2)), int(match.group(3))
-        seq = modules[parent]
-        if type(seq).forward is not nn.Sequential.forward or not (0 <= i < j <= len(seq)):
-            raise ValueError(
-                f"plan entry {e!r} needs a plain nn.Sequential at {parent or '(root)'!r} with "
-                f"children {i}..{j - 1}; {type(seq).__name__} is not one"
-            )
-        _check_wrappable(parent, seq)
-        runs.setdefault(parent, []).append((i, j))
-    for e in chosen:
-        if _RUN.fullmatch(e) is None:
+        if parse_run(e) is None:
             m = modules[e]
             m.__class__ = _wrapped_class(Checkpointed, type(m))
             m.__dict__[_PATH_ATTR] = e
@@ -387,8 +316,89 @@ def apply(
         seq.__dict__[_PATH_ATTR] = parent
         seq.__dict__[_RUNS_ATTR] = tuple(sorted(spans))
     if chosen:
-        _disable_hf_cache_in_training(model)
+        huggingface.turn_cache_off_in_training(model)
     return model
+
+
+def _selective_entries(
+    paths: Sequence[str],
+    wanted: Sequence[str] | Mapping[str, Sequence[str]],
+    save_ops: Sequence[str],
+) -> dict[str, tuple[str, ...]]:
+    """The selective entries of :func:`apply`, each with the ops it keeps, checked."""
+    if isinstance(wanted, Mapping):
+        found = {e: selective.check_names(ops) for e, ops in wanted.items()}
+    else:
+        if isinstance(wanted, str):
+            raise TypeError(f"selective must be a sequence of module paths, got {wanted!r}")
+        ops = selective.check_names(save_ops)
+        found = {e: ops for e in wanted}
+    odd = [e for e in found if e not in paths or parse_run(e) is not None]
+    if odd:
+        raise ValueError(
+            f"selective entries must be module paths among the plan's entries: "
+            f"{', '.join(map(repr, odd[:5]))} {'is' if len(odd) == 1 else 'are'} not"
+        )
+    return found
+
+
+def _check_present(model: nn.Module, paths: Sequence[str], modules: dict[str, nn.Module]) -> None:
+    def module_of(entry: str) -> str:
+        run = parse_run(entry)
+        return entry if run is None else run[0]
+
+    missing = [e for e in paths if module_of(e) not in modules]
+    if missing:
+        raise ValueError(
+            f"the plan names modules that {type(model).__name__} does not have: "
+            f"{', '.join(map(repr, missing[:5]))}{' ...' if len(missing) > 5 else ''}; "
+            f"make the plan from this model (autoremat.plan(model, ...))"
+        )
+
+
+def _check_not_nested(chosen: list[str]) -> None:
+    covers = {e: covered(e) for e in chosen}
+    for a, b in itertools.combinations(chosen, 2):
+        for x in covers[a]:
+            for y in covers[b]:
+                if inside(x, y) or inside(y, x):
+                    inner, outer = (a, b) if inside(x, y) else (b, a)
+                    raise ValueError(
+                        f"module {inner or '(root)'!r} is inside {outer or '(root)'!r}: "
+                        f"recomputes would nest; keep only one of them in the plan"
+                    )
+
+
+def _runs_by_parent(
+    chosen: list[str], modules: dict[str, nn.Module]
+) -> dict[str, list[tuple[int, int]]]:
+    """The runs among ``chosen``, by the Sequential they belong to; every entry checked to be
+    wrappable."""
+    runs: dict[str, list[tuple[int, int]]] = {}
+    for e in chosen:
+        run = parse_run(e)
+        if run is None:
+            _check_wrappable(e, modules[e])
+            continue
+        parent, i, j = run
+        seq = modules[parent]
+        if type(seq).forward is not nn.Sequential.forward or not (0 <= i < j <= len(seq)):
+            raise ValueError(
+                f"plan entry {e!r} needs a plain nn.Sequential at {parent or '(root)'!r} with "
+                f"children {i}..{j - 1}; {type(seq).__name__} is not one"
+            )
+        _check_wrappable(parent, seq)
+        runs.setdefault(parent, []).append((i, j))
+    return runs
+
+
+def unwrappable_reason(m: nn.Module) -> str | None:
+    """Why ``m`` cannot be wrapped, or ``None`` when it can."""
+    if isinstance(m, torch.jit.ScriptModule):
+        return "it is a TorchScript module"
+    if "forward" in m.__dict__:
+        return "its forward was replaced on the instance"
+    return None
 
 
 def _check_wrappable(path: str, m: nn.Module) -> None:
@@ -414,7 +424,7 @@ def remove(model: nn.Module) -> nn.Module:
             ``FSDPCheckpointed<Cls>``); the message names it. Nothing is changed then.
     """
     for m in model.modules():
-        if isinstance(m, Wrapped) and "_autoremat_base" not in type(m).__dict__:
+        if is_wrapped(m) and BASE_ATTR not in type(m).__dict__:
             raise ValueError(
                 f"module {m.__dict__.get(_PATH_ATTR)!r} had its class changed again after "
                 f"autoremat wrapped it ({type(m).__name__}, e.g. by fully_shard); autoremat "
@@ -422,92 +432,10 @@ def remove(model: nn.Module) -> nn.Module:
                 f"change first, or rebuild the model"
             )
     for m in model.modules():
-        if isinstance(m, Wrapped):
-            cls = type(m)
-            m.__class__ = cls._autoremat_base
+        if is_wrapped(m):
+            m.__class__ = type(m).__dict__[BASE_ATTR]
             m.__dict__.pop(_PATH_ATTR, None)
             m.__dict__.pop(_RUNS_ATTR, None)
             m.__dict__.pop(_SAVE_ATTR, None)
-    for m in model.modules():
-        handle = _cache_hooks.pop(m, None)
-        if handle is not None:
-            handle.remove()
+    huggingface.remove_cache_hooks(model)
     return model
-
-
-def _use_cache_index(m: nn.Module) -> int | None:
-    """For a Hugging Face-style model (a module with ``config.use_cache`` and a ``use_cache``
-    argument), the position of ``use_cache`` among its forward's arguments; else None."""
-    if not hasattr(getattr(m, "config", None), "use_cache"):
-        return None
-    try:
-        params = list(inspect.signature(type(m).forward).parameters)
-    except (TypeError, ValueError):
-        return None
-    if "use_cache" not in params:
-        return None
-    return params.index("use_cache") - 1  # without self
-
-
-def _disable_hf_cache_in_training(model: nn.Module, warn: bool = True) -> None:
-    """Register a pre-hook on each Hugging Face-style model inside ``model`` that turns the
-    cache off while training with gradients: a recompute would update the cache a second
-    time (with ``warn``, one warning per class on the ``autoremat`` logger)."""
-    for m in model.modules():
-        index = _use_cache_index(m)
-        if m in _cache_hooks or index is None:
-            continue
-        hook = functools.partial(_no_cache_pre_hook, index=index, warn=warn)
-        _cache_hooks[m] = m.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-@contextlib.contextmanager
-def cache_off_in_training(model: nn.Module) -> Iterator[None]:
-    """While active, Hugging Face-style models inside ``model`` are called with
-    ``use_cache=False`` when training with gradients, as they are once wrapped (without the
-    warning): :func:`autoremat.profile` measures the step the wrapped model will run, not one
-    that also fills a key/value cache."""
-    handles = []
-    for m in model.modules():
-        index = _use_cache_index(m)
-        if m not in _cache_hooks and index is not None:
-            hook = functools.partial(_no_cache_pre_hook, index=index, warn=False)
-            handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _no_cache_pre_hook(
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    index: int,
-    warn: bool = True,
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    if not (module.training and torch.is_grad_enabled()):
-        return None
-    if index < len(args):
-        if args[index] is False:
-            return None
-        args = (*args[:index], False, *args[index + 1 :])
-    elif kwargs.get("use_cache") is False:
-        return None
-    else:
-        kwargs = {**kwargs, "use_cache": False}
-    if warn:
-        _warn_once_cache(type(module).__name__)
-    return args, kwargs
-
-
-@functools.cache
-def _warn_once_cache(name: str) -> None:
-    logger.warning(
-        "%s is called with use_cache=False while training: a key/value cache would be "
-        "updated again when wrapped modules are recomputed (Hugging Face's own gradient "
-        "checkpointing does the same)",
-        name,
-    )

@@ -1,5 +1,56 @@
-"""Strategies: pure functions from a module tree to the paths of the modules to recompute."""
+"""Strategies: how the modules to recompute are chosen. Each is one registry entry.
 
-from autoremat.strategies.levels import choose_levels
+A :class:`Strategy` names itself (as :attr:`autoremat.Plan.strategy` and the JSON do), the
+keyword of :func:`autoremat.plan` that selects it, what it needs of the model (the module tree,
+or a profile of one training step), a check of its options that runs before the model does,
+and ``choose``: a function from that evidence and the options to the plan's fields. ``choose``
+is pure planning: it reads, it does not run the model or wrap anything (the planner does).
 
-__all__ = ["choose_levels"]
+Adding a strategy is one file in this package that defines a ``STRATEGY`` and one line in
+:data:`STRATEGIES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from autoremat.step import LossFn
+
+__all__ = ["STRATEGIES", "Options", "Strategy"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """What :func:`autoremat.plan` was asked, for every strategy: ``model_name`` (the model's
+    class name, for messages), and each strategy's keywords."""
+
+    model_name: str
+    segments: int | None = None
+    budget: int | float | str | None = None
+    loss_fn: LossFn | None = None
+    selective: bool = True
+    objective: str = "time"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to choose a plan (see the package docstring). ``choose(evidence, options)``
+    returns keyword arguments for :class:`autoremat.Plan` (at least ``modules``)."""
+
+    name: str
+    keyword: str
+    needs: Literal["tree", "profile"]
+    check: Callable[[Options], None]
+    choose: Callable[[Any, Options], dict[str, Any]]
+
+
+def _registry() -> dict[str, Strategy]:
+    from autoremat.strategies import budget, levels
+
+    return {s.keyword: s for s in (levels.STRATEGY, budget.STRATEGY)}
+
+
+# plan() keyword -> strategy; the first is the default when no keyword is given
+STRATEGIES: dict[str, Strategy] = _registry()

@@ -1,390 +1,126 @@
-"""The memory-budget strategy: the cheapest set of modules to recompute under a peak budget.
+"""The budget strategy: the cheapest recompute whose predicted step peak fits a budget.
 
-Cost model (see NOTE in the README for the reasoning and the measured error):
-
-* Every tree node ``i`` is numbered by when its forward ended (``end``); ``start`` is how many
-  nodes had ended before it began. Recomputing ``i`` frees ``freed[i]`` bytes: what its
-  subtree saved for backward, less its inputs (the checkpoint keeps those), and costs
-  ``cost[i]`` (:attr:`Item.cost`: its recompute's measured seconds when the item has them, else
-  its forward FLOPs; bytes break ties).
-* The profiled step without recompute gives *points* ``(p, bytes)``: at some moment ``bytes``
-  were live while nodes ``0..p-1`` had finished their forward and not begun their backward.
-  Recomputing a set ``S`` of nodes, never one inside another, lowers that moment to
-  ``bytes - sum(freed[s] for s in S if end[s] < p)``: before a node's backward starts, its
-  activations are gone; once it starts, the recompute brings them all back, exactly as they
-  were in the step without recompute, gradients and all. The recompute itself adds the point
-  ``(start[s], recompute_peak[s])``: the most live bytes while it runs, temporaries included
-  (:class:`autoremat.profile.NodeCost`). At the points inside its span
-  (``start[s] < p <= end[s]``), a chosen node holds more than the step without recompute (or
-  fewer), and how much depends on the phase: points come in two lists, those of the forward
-  pass (``forward``) and those after it.
-  While its own forward runs, it holds :meth:`Item.held_at` ``(p)``: the inputs the
-  checkpoint keeps, from its start; less what its finished parts saved, which a
-  checkpointed forward drops; more, for a selective recompute, each kept output nothing else
-  saved, from the point it was made. During its backward it holds its inputs only
-  (:attr:`Item.held_in_backward`): the recompute has brought the rest back, and taken the
-  cached outputs out of the cache. The predicted peak is the maximum over the points; with
-  ``S`` empty it is the profiled peak itself.
-
-The solver is exact under that model: a dynamic programme over the tree in execution order
-whose state is the set of Pareto-optimal ``(bytes freed so far, cost so far)`` pairs. At each
-node it either recomputes the node whole, in any of its ways (allowed when every point inside
-the node's span already fits with what was freed before it), or, for a plain
-``nn.Sequential``, a run of two or more consecutive children as one, or descends into its
-children. Points are checked as the walk passes them, so every kept state is feasible so far;
-a state with more bytes freed and less cost dominates, since what is feasible later depends
-only on the bytes freed. Bytes freed are counted up to the largest excess over the budget
-(more is worth nothing). Past ``MAX_STATES`` states, the frontier keeps one state per
-``1/MAX_STATES`` of that excess, the one that freed most: no feasible answer is lost, and the
-cost may exceed the optimum by what separates states within one step (never on small trees,
-where the frontier stays below it). The work is ``O((nodes x ways + runs) x frontier)``;
-``runs`` is at most ``MAX_RUN`` per child of a Sequential.
+From a profile of one training step (:mod:`autoremat.costs`), the planning tree
+(:mod:`autoremat.planning_tree`) and the solver (:mod:`autoremat.solver`): ``budget=`` bytes,
+a fraction of the no-recompute peak, a percentage or a size string
+(:func:`autoremat.sizes.parse_budget`); cost is the recompute's profiled time
+(``objective="time"``) or its FLOPs (``"flops"``).
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
-import math
-import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+import logging
 from typing import Any
 
-MAX_STATES = 1024
-NONE = -(2**62)  # the bytes at a point where no moment was seen (below any budget)
-# Costs are in FLOPs, or FLOP-equivalents: an item with measured ``seconds`` costs them at
-# FLOPS_PER_SECOND; one without costs its FLOPs. Bytes (freed, and written by the recompute)
-# break ties at TIE_PER_BYTE.
-FLOPS_PER_SECOND = 1e11
-TIE_PER_BYTE = 1e-3
-# What a byte written costs in FLOPs where time is estimated rather than measured (the meta
-# device): a machine balance (FLOP/s over bytes/s of memory traffic, a written byte being read
-# about once too). About 10-30 on the CPUs here, over 100 on a GPU's tensor cores.
-COST_PER_BYTE = 32.0
+from autoremat.costs import Profile
+from autoremat.planning_tree import planning_tree, recompute_seconds
+from autoremat.plans import Choice
+from autoremat.selective import WAYS
+from autoremat.sizes import format_size, parse_budget
+from autoremat.solver import Infeasible, Item, min_peak, predict_peak, solve
+from autoremat.strategies import Options, Strategy
+
+__all__ = ["HEADROOM", "NEAR_LOWEST", "OBJECTIVES", "STRATEGY", "BudgetTooLow", "lowest"]
+
+logger = logging.getLogger("autoremat")
+
+# Bytes a budget plan keeps free below the budget for what the cost model does not see: the
+# recompute's copies of small buffers and statistics, measured at up to a few hundred bytes.
+HEADROOM = 1024
+# A budget this close (a fraction of it) above the lowest reachable peak gets a warning.
+NEAR_LOWEST = 0.02
+# What a budget plan minimises (plan's ``objective``).
+OBJECTIVES = ("time", "flops")
 
 
-@dataclass(frozen=True)
-class Item:
-    """One node of the planning tree (children ordered by ``end``)."""
+class BudgetTooLow(ValueError):
+    """The budget is below the lowest step peak any plan reaches. ``lowest`` is that peak in
+    bytes (a budget that works), ``baseline`` the peak without recompute."""
 
-    path: str
-    start: int
-    end: int
-    freed: int
-    flops: int
-    candidate: bool = True
-    children: tuple[Item, ...] = ()
-    recompute_peak: int = 0
-    # runs [i:j) of two or more children that can be recomputed as one (a plain Sequential):
-    # (i, j, freed, flops, recompute_peak)
-    runs: tuple[tuple[int, int, int, int, int], ...] = ()
-    written: int = 0  # bytes the recompute's ops write
-    # bytes it keeps alive during its own forward beyond the step without recompute (inputs
-    # the checkpoint holds): added to the points inside its span; and how that changes
-    # part-way, (point, bytes) from that point on (what its finished parts saved, dropped by
-    # the checkpoint: negative; a selective recompute's cached outputs: positive)
-    inside: int = 0
-    inside_from: tuple[tuple[int, int], ...] = ()
-    # other ways to recompute this node whole (same path and span, no children)
-    options: tuple[Item, ...] = ()
-    mode: str = "full"  # how this item recomputes: "full", or an option's name ("selective")
-    # the recompute's time, measured (ops and per-op overheads); None: priced from flops and
-    # written bytes
-    seconds: float | None = None
+    def __init__(self, message: str, lowest: int, baseline: int) -> None:
+        super().__init__(message)
+        self.lowest, self.baseline = lowest, baseline
 
-    def run_item(self, i: int, j: int, freed: int, flops: int, recompute_peak: int) -> Item:
-        """The run ``[i:j)`` of this node's children as one item, named ``path[i:j]``; its
-        bytes written and seconds are its children's."""
-        kids = self.children[i:j]
-        seconds = [k.seconds for k in kids]
-        return Item(
-            path=f"{self.path}[{i}:{j}]",
-            start=kids[0].start,
-            end=kids[-1].end,
-            freed=freed,
-            flops=flops,
-            recompute_peak=recompute_peak,
-            written=sum(k.written for k in kids),
-            seconds=None if None in seconds else sum(seconds),  # type: ignore[arg-type]
+
+def _check(options: Options) -> None:
+    parse_budget(options.budget, 1)  # malformed budgets fail before the model runs
+    if options.objective not in OBJECTIVES:
+        raise ValueError(
+            f"objective must be one of {', '.join(map(repr, OBJECTIVES))}, "
+            f"got {options.objective!r}"
         )
 
-    def held_at(self, point: int) -> int:
-        """The bytes more than the step without recompute live at ``point``, inside the span,
-        while this item's checkpointed forward runs (fewer when negative)."""
-        return self.inside + sum(b for p, b in self.inside_from if p <= point)
 
-    @property
-    def held_in_backward(self) -> int:
-        """The bytes more than the step without recompute live at the points inside the span
-        outside the forward, during this item's backward: ``inside``. Its recompute has
-        brought back all its forward dropped, and handed over what a selective recompute
-        cached (``torch.utils.checkpoint``'s cache gives each output up as the recompute
-        reaches it)."""
-        return self.inside
-
-    def worst_inside(self, forward: Sequence[int], backward: Sequence[int]) -> int:
-        """The most bytes live at the points inside the span when this item is checkpointed,
-        given the most live at each point ``p`` in the step without recompute, in its forward
-        (``forward[p]``) and after (``backward[p]``); 0 when the span has no point."""
-        worst, extra, begin = 0, self.inside, self.start + 1
-        stop = min(self.end + 1, len(forward), len(backward))
-        if begin < stop:
-            worst = max(backward[begin:stop]) + self.held_in_backward
-        for p, b in (*self.inside_from, (stop, 0)):
-            if p > begin and begin < stop:
-                worst = max(worst, max(forward[begin : min(p, stop)]) + extra)
-                begin = p
-            extra += b
-        return worst
-
-    @property
-    def cost(self) -> float:
-        # (bytes break ties: of two equally costly ways, the one that writes less, frees less)
-        work = self.flops if self.seconds is None else self.seconds * FLOPS_PER_SECOND
-        return work + TIE_PER_BYTE * (self.written + max(0, self.freed))
-
-    def wholes(self) -> list[Item]:
-        """The ways to recompute this node whole that free bytes: itself and its options."""
-        if not self.candidate:
-            return []
-        return [i for i in (self, *self.options) if i.freed > 0]
-
-    def walk(self) -> list[Item]:
-        out = [self]
-        for child in self.children:
-            out.extend(child.walk())
-        return out
+def lowest(prof: Profile, options: Options, root: Item | None = None) -> int:
+    """The lowest budget, in bytes, that a plan for ``prof`` meets (headroom included)."""
+    if root is None:
+        root = planning_tree(prof, options.selective, None, options.objective)
+    return min_peak(root, prof.backward_points, prof.forward_points) + HEADROOM
 
 
-class Infeasible(ValueError):
-    """No set of modules brings the predicted peak under the budget."""
+def _choose(prof: Profile, options: Options) -> dict[str, Any]:
+    limit = parse_budget(options.budget, prof.peak)
+    skipped: dict[str, str] = {}
+    root = planning_tree(prof, options.selective, skipped, options.objective)
+    _log_skipped(skipped, options.model_name)
+    chosen = [] if limit >= prof.peak else _solve(prof, root, limit, options)
+    seconds = {i.path: recompute_seconds(prof, i) for i in chosen}
+    return {
+        "modules": tuple(i.path for i in chosen),
+        "budget": limit,
+        "estimated_peak": predict_peak(prof.backward_points, chosen, prof.forward_points),
+        "baseline_peak": prof.peak,
+        "recompute_flops": sum(i.flops for i in chosen),
+        "objective": options.objective,
+        "recompute_seconds": sum(seconds.values()),
+        "choices": tuple(Choice(i.path, i.freed, i.flops, i.way, seconds[i.path]) for i in chosen),
+        "selective": {i.path: WAYS[i.way] for i in chosen if i.way in WAYS},
+    }
 
 
-def predict_peak(
-    points: Sequence[tuple[int, int]],
-    chosen: Sequence[Item],
-    forward: Sequence[tuple[int, int]] = (),
-) -> int:
-    """The predicted step peak when the ``chosen`` nodes are recomputed (module docstring).
-
-    ``forward`` are the points of the forward pass, where a chosen node part-way through its
-    own forward holds :meth:`Item.held_at` bytes more; ``points`` the others (at those inside
-    its span it holds :attr:`Item.held_in_backward` more). Points given only in ``points``
-    are priced as the latter, an upper bound."""
-    moments = [
-        *(
-            (p, b + sum(s.held_in_backward for s in chosen if s.start < p <= s.end))
-            for p, b in points
-        ),
-        *((p, b + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)) for p, b in forward),
-        *((s.start, s.recompute_peak) for s in chosen),
-    ]
-    if not moments:
-        return 0
-    return max(b - sum(s.freed for s in chosen if s.end < p) for p, b in moments)
-
-
-# A state of the dynamic programme: (-bytes freed so far, cost so far, tie-break, chosen),
-# where chosen is a linked list (item, rest). Tuples sort natively: most freed, then cheapest.
-_State = tuple[int, float, int, Any]
-
-
-def _merge(parts: list[list[_State]], grid: int) -> list[_State]:
-    """The states of ``parts`` (each sorted, most freed first) that no other state beats on
-    both bytes freed and cost; past ``MAX_STATES``, one per ``grid`` bytes freed: the one that
-    freed most, so that no feasible answer is lost."""
-    parts = [p for p in parts if p]
-    if len(parts) <= 1:
-        return parts[0] if parts else []
-    kept: list[_State] = []
-    best = math.inf
-    # (sorting the concatenated runs: timsort merges them, comparing tuples in C)
-    for s in sorted(itertools.chain.from_iterable(parts)):
-        if s[1] < best:
-            kept.append(s)
-            best = s[1]
-    if len(kept) <= MAX_STATES:
-        return kept
-    thinned: list[_State] = []
-    bucket = None
-    for s in kept:
-        if -s[0] // grid != bucket:
-            bucket = -s[0] // grid
-            thinned.append(s)
-    return thinned
-
-
-def solve(
-    root: Item,
-    points: Sequence[tuple[int, int]],
-    budget: int,
-    forward: Sequence[tuple[int, int]] = (),
-) -> list[Item]:
-    """The cheapest set of nodes under ``root`` whose predicted peak (:func:`predict_peak`,
-    with the same ``points`` and ``forward``) is at most ``budget``.
-
-    Raises:
-        Infeasible: no set fits; :func:`min_peak` gives the lowest reachable peak.
-    """
-    top = max((p for p, _ in (*points, *forward)), default=0)
-    # the most bytes live at each point: in the forward, after it, and either (NONE: no
-    # moment there)
-    during = [NONE] * (top + 1)
-    after = [NONE] * (top + 1)
-    for p, b in forward:
-        during[p] = max(during[p], b)
-    for p, b in points:
-        after[p] = max(after[p], b)
-    need = [max(d, a) for d, a in zip(during, after, strict=True)]
-    # Bytes freed beyond the largest excess over the budget are worth no more.
-    cap = max(
-        0,
-        max(need) - budget,
-        *(w.recompute_peak - budget for i in root.walk() for w in (i, *i.options)),
-    )
-    grid = max(1, -(-cap // MAX_STATES))
-    counter = itertools.count()
-    useful: dict[int, bool] = {}
-
-    def mark(item: Item) -> bool:
-        """Whether anything under ``item`` can be chosen."""
-        here = bool(item.wholes()) or (item.candidate and any(r[2] > 0 for r in item.runs))
-        useful[id(item)] = any([mark(c) for c in item.children]) or here
-        return useful[id(item)]
-
-    mark(root)
-
-    def feasible(states: list[_State], worst: int) -> list[_State]:
-        """The states in which ``worst`` live bytes fit: a prefix, as states are sorted by
-        bytes freed, most first."""
-        return states[: bisect.bisect_right(states, (budget - worst, math.inf))]
-
-    def check(states: list[_State], lo: int, hi: int) -> list[_State]:
-        """Keep the states under budget at every point ``p`` with ``lo < p <= hi``."""
-        return feasible(states, max(need[max(lo + 1, 0) : hi + 1], default=0))
-
-    def take(item: Item, states: list[_State]) -> list[_State]:
-        """The states in which recomputing ``item`` whole fits, with it recomputed."""
-        if item.inside_from:
-            worst = item.worst_inside(during, after)
-        else:  # the same in both phases (the common case, kept fast)
-            worst = max(need[item.start + 1 : item.end + 1], default=-item.inside) + item.inside
-        fits = feasible(states, max(worst, item.recompute_peak))
-        # those that reach the cap become equal: keep the cheapest (the last) of them
-        capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
-        fits = fits[max(0, capped - 1) :]
-        freed, cost, link = item.freed, item.cost, item
-        return [
-            (-(f if (f := freed - s[0]) < cap else cap), s[1] + cost, k, (link, s[3]))
-            for s, k in zip(fits, counter, strict=False)
-        ]
-
-    def run(item: Item, states: list[_State]) -> list[_State]:
-        if not useful[id(item)]:
-            return check(states, item.start, item.end)
-        kids = item.children
-        runs: dict[int, list[tuple[int, Item]]] = {}
-        for i, j, freed, flops, peak in item.runs if item.candidate else ():
-            if freed > 0:
-                runs.setdefault(i, []).append((j, item.run_item(i, j, freed, flops, peak)))
-        # arriving[k]: states that have passed children 0..k-1 (k = len(kids): all of them)
-        arriving: list[list[list[_State]]] = [[] for _ in kids] + [[]]
-        arriving[0] = [states]
-        cursor = item.start
-        for k, child in enumerate(kids):
-            here = check(_merge(arriving[k], grid), cursor, child.start)
-            if useful[id(child)]:
-                arriving[k + 1].append(run(child, here))
-            else:  # nothing to choose: check the points of its span not checked yet
-                arriving[k + 1].append(check(here, max(cursor, child.start), child.end))
-            for j, whole in runs.get(k, []):
-                arriving[j].append(take(whole, here))
-            cursor = max(cursor, child.end)
-        inside = check(_merge(arriving[len(kids)], grid), cursor, item.end)
-        return _merge([inside, *(take(whole, states) for whole in item.wholes())], grid)
-
-    states = check([(0, 0.0, next(counter), None)], -1, root.start)
-    states = check(run(root, states), root.end, top)
-    if not states:
-        raise Infeasible(f"no recompute plan has a predicted peak <= {budget} bytes")
-    best = min(states, key=lambda s: s[1])
-    chosen: list[Item] = []
-    link = best[3]
-    while link is not None:
-        chosen.append(link[0])
-        link = link[1]
-    return sorted(chosen, key=lambda i: i.end)
-
-
-def min_peak(
-    root: Item, points: Sequence[tuple[int, int]], forward: Sequence[tuple[int, int]] = ()
-) -> int:
-    """The lowest budget :func:`solve` meets (within 0.1% of the baseline above the lowest
-    predicted peak any plan reaches)."""
-    baseline = max((b for _, b in (*points, *forward)), default=0)
-    lo, hi = 0, baseline  # hi is always feasible: the empty plan
-    tolerance = max(1, baseline // 1000)
-    while hi - lo > tolerance:
-        mid = (lo + hi) // 2
+def _solve(prof: Profile, root: Item, limit: int, options: Options) -> list[Item]:
+    forward, after = prof.forward_points, prof.backward_points
+    try:
+        chosen = solve(root, after, limit - HEADROOM, forward)
+    except Infeasible:
+        least = lowest(prof, options, root)
+        raise BudgetTooLow(
+            f"budget {format_size(limit)} ({options.budget!r}) is below the lowest peak that "
+            f"recomputing modules of {options.model_name} reaches, {format_size(least)} "
+            f"({least / prof.peak:.0%} of the {format_size(prof.peak)} peak without "
+            f"recompute; about {least} bytes). Try budget={least}, a smaller batch, or "
+            f"mixed precision.",
+            least,
+            prof.peak,
+        ) from None
+    if chosen:
         try:
-            solve(root, points, mid, forward)
-            hi = mid
+            solve(root, after, int(limit * (1 - NEAR_LOWEST)) - HEADROOM, forward)
         except Infeasible:
-            lo = mid
-    return hi
-
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
-_FORMS = (
-    "a number of bytes (int), a fraction of the no-recompute peak (float, 0 < f <= 1), "
-    'a percentage ("50%"), or a size string such as "800MB" or "6GiB" '
-    "(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-)
-
-
-def parse_budget(budget: object, baseline: int) -> int:
-    """Bytes for a ``budget`` given as bytes, a fraction or percentage of ``baseline``, or a
-    size string (see ``_FORMS``).
-
-    Raises:
-        TypeError: a type other than int, float or str.
-        ValueError: malformed, negative or zero; the message names the accepted forms.
-    """
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
-        raise TypeError(f"budget must be {_FORMS}; got {type(budget).__name__}")
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"budget must be positive bytes, got {budget}; use {_FORMS}")
-        return budget
-    if isinstance(budget, float):
-        if not (0.0 < budget <= 1.0):
-            raise ValueError(
-                f"a float budget is a fraction of the no-recompute peak, 0 < f <= 1; got "
-                f"{budget}. Use {_FORMS}"
+            logger.warning(
+                "budget %s is within %.0f%% of the lowest peak recomputing modules of %s "
+                "reaches: the plan recomputes about all it can (%d entries, %.3f GFLOP more); a "
+                "slightly larger budget may cost much less",
+                format_size(limit),
+                NEAR_LOWEST * 100,
+                options.model_name,
+                len(chosen),
+                sum(i.flops for i in chosen) / 1e9,
             )
-        return max(1, int(budget * baseline))
-    text = budget.strip()
-    if text.endswith("%"):
-        try:
-            percent = float(text[:-1])
-        except ValueError:
-            percent = math.nan
-        if not (0.0 < percent <= 100.0):
-            raise ValueError(f"budget {budget!r}: a percentage must be in (0, 100]; use {_FORMS}")
-        return max(1, int(percent / 100.0 * baseline))
-    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"budget {budget!r} is not understood; use {_FORMS}")
-    if not match.group(2) and "." in match.group(1):
-        raise ValueError(f"budget {budget!r}: a size without a unit is whole bytes; use {_FORMS}")
-    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if not math.isfinite(size):
-        raise ValueError(f"budget {budget!r} is too large to be a size; use {_FORMS}")
-    if size < 1:
-        raise ValueError(f"budget {budget!r} is zero; use {_FORMS}")
-    return int(size)
+    return chosen
+
+
+def _log_skipped(skipped: dict[str, str], model_name: str) -> None:
+    if not skipped:
+        return
+    logger.warning(
+        "%d module(s) of %s cannot be recomputed on their own and were left out of the "
+        "plan (their parents can still be chosen): %s",
+        len(skipped),
+        model_name,
+        "; ".join(f"{p!r}: {why}" for p, why in list(skipped.items())[:5])
+        + (" ..." if len(skipped) > 5 else ""),
+    )
+
+
+STRATEGY = Strategy(name="budget", keyword="budget", needs="profile", check=_check, choose=_choose)

@@ -17,7 +17,14 @@ nodes of a level are replaced by their children when the walk descends.
 
 from __future__ import annotations
 
+from typing import Any
+
+from autoremat.strategies import Options, Strategy
 from autoremat.tree import Node
+
+__all__ = ["DEFAULT_SEGMENTS", "STRATEGY", "choose_levels"]
+
+DEFAULT_SEGMENTS = 3
 
 
 def choose_levels(root: Node, segments: int) -> list[Node]:
@@ -52,3 +59,20 @@ def choose_levels(root: Node, segments: int) -> list[Node]:
             return scheme
         level = [child for node in others for child in node.children]
     return scheme
+
+
+def _check(options: Options) -> None:
+    segments = options.segments
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        raise TypeError(f"segments must be an int, got {type(segments).__name__}")
+    if segments < 0:
+        raise ValueError(f"segments must be >= 0, got {segments}; try segments=3")
+
+
+def _choose(tree: Node, options: Options) -> dict[str, Any]:
+    assert options.segments is not None
+    chosen = choose_levels(tree, options.segments)
+    return {"modules": tuple(n.path for n in chosen), "segments": options.segments}
+
+
+STRATEGY = Strategy(name="levels", keyword="segments", needs="tree", check=_check, choose=_choose)

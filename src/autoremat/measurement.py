@@ -10,10 +10,8 @@ the same on the ``meta`` device as on a real one), FLOPs from
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +20,12 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoremat.memory import CudaMemory, LiveMemory
+from autoremat.nested import iter_tensors
+from autoremat.sizes import format_size
 from autoremat.snapshot import preserved
-from autoremat.tree import iter_tensors, run_model
+from autoremat.step import LossFn, default_loss, leaf_inputs, train_step
 
-__all__ = ["Measurement", "default_loss", "measure"]
-
-_MiB = 2**20
+__all__ = ["Measurement", "measure"]
 
 
 @dataclass(frozen=True)
@@ -55,99 +53,9 @@ class Measurement:
 
     def __str__(self) -> str:
         return (
-            f"peak {self.peak / _MiB:.1f} MiB, saved {self.saved / _MiB:.1f} MiB, "
+            f"peak {format_size(self.peak)}, saved {format_size(self.saved)}, "
             f"{self.flops / 1e9:.3f} GFLOP, {self.seconds * 1e3:.1f} ms/step"
         )
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The loss of a model output.
-
-    The output's ``loss`` (a key of a mapping, or an attribute, as on a Hugging Face
-    ``ModelOutput``) when there is one and it is a tensor, returned as it is; otherwise the sum
-    of every floating-point tensor found in the output (nested tuples, lists, dicts,
-    dataclasses; see :func:`autoremat.tree.iter_tensors`), each summed with ``.sum()`` into a
-    float32 scalar and added, as a float32 scalar.
-
-    Raises:
-        ValueError: the output holds no floating-point tensor.
-    """
-    loss = None
-    if isinstance(output, Mapping):
-        loss = output.get("loss")
-    if loss is None and not isinstance(output, torch.Tensor):
-        loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    total: torch.Tensor | None = None
-    for _, t in iter_tensors(output):
-        if t.is_floating_point():
-            part = t.sum(dtype=torch.float32)
-            total = part if total is None else total + part
-    if total is None:
-        raise ValueError(
-            f"default_loss found no floating-point tensor in the model output "
-            f"({type(output).__name__}); pass loss_fn=... that turns the output into a scalar"
-        )
-    return total
-
-
-def _check_loss(loss: Any) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor):
-        raise ValueError(
-            f"loss_fn returned {type(loss).__name__}, not a tensor; return a scalar tensor "
-            f"computed from the model output (e.g. lambda out: out.sum())"
-        )
-    if loss.numel() != 1:
-        raise ValueError(
-            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; backward needs a single "
-            f"number: reduce it (e.g. .sum() or .mean()) in loss_fn"
-        )
-    if not loss.requires_grad:
-        raise ValueError(
-            "the loss does not require grad: no parameter or input it depends on requires grad "
-            "(all frozen? the model run under torch.no_grad or with detached outputs?), so there "
-            "is no backward pass to measure"
-        )
-    return loss
-
-
-def _leaf_inputs(args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """Input tensors that backward would give a ``.grad``: leaves that require grad."""
-    found = {id(t): t for _, t in iter_tensors((args, kwargs)) if t.requires_grad and t.is_leaf}
-    return list(found.values())
-
-
-@contextlib.contextmanager
-def _restored(model: nn.Module, inputs: list[torch.Tensor]) -> Iterator[None]:
-    """:func:`~autoremat.snapshot.preserved` for the model, and the inputs' ``.grad`` too."""
-    grads = [(t, t.grad) for t in inputs]
-    try:
-        with preserved(model):
-            yield
-    finally:
-        for t, g in grads:
-            t.grad = g
-
-
-def _step(
-    model: nn.Module,
-    args: Any,
-    kwargs: dict[str, Any] | None,
-    loss_fn: Callable[[Any], torch.Tensor],
-    inputs: list[torch.Tensor],
-    after_forward: Callable[[], Any] | None = None,
-) -> None:
-    """One training step from ``.grad = None`` (parameters and leaf inputs that require grad):
-    forward, loss, backward."""
-    for t in [*model.parameters(), *inputs]:
-        t.grad = None
-    with torch.enable_grad():
-        output = run_model(model, args, kwargs)
-        loss = _check_loss(loss_fn(output))
-        if after_forward is not None:
-            after_forward()
-        loss.backward()
 
 
 def _uses_cuda(model: nn.Module, args: Any, kwargs: Any) -> bool:
@@ -161,13 +69,13 @@ def measure(
     args: tuple[Any, ...] | Any = (),
     kwargs: dict[str, Any] | None = None,
     *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: LossFn | None = None,
     repeats: int = 1,
 ) -> Measurement:
     """Measure one training step of ``model(*args, **kwargs)``.
 
     The step: every parameter's ``.grad`` set to ``None``, ``output = model(*args, **kwargs)``,
-    ``loss = loss_fn(output)`` (:func:`default_loss` when ``loss_fn`` is None),
+    ``loss = loss_fn(output)`` (:func:`~autoremat.step.default_loss` when ``loss_fn`` is None),
     ``loss.backward()``. It runs in the model's current mode (``train()``/``eval()``) with
     gradients enabled, once under :class:`~autoremat.memory.LiveMemory` (for ``peak`` and
     ``saved``; :class:`~autoremat.memory.CudaMemory`, the allocator's statistics, when the
@@ -205,10 +113,10 @@ def measure(
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     loss_fn = default_loss if loss_fn is None else loss_fn
-    inputs = _leaf_inputs(args, kwargs)
+    inputs = leaf_inputs(args, kwargs)
 
-    def run(after_forward: Callable[[], Any] | None = None) -> None:
-        _step(model, args, kwargs, loss_fn, inputs, after_forward)
+    def run(after_forward: Any = None) -> None:
+        train_step(model, args, kwargs, loss_fn, after_forward=after_forward)
 
     # Memory and FLOPs come from two runs: FlopCounterMode's module tracker keeps the autograd
     # nodes of checkpoint recomputes alive (their recomputed activations with them) until it
@@ -216,14 +124,14 @@ def measure(
     # On CUDA, the allocator's own statistics (what an out-of-memory error is about).
     cuda = _uses_cuda(model, args, kwargs)
     tracker: LiveMemory | CudaMemory = CudaMemory() if cuda else LiveMemory()
-    with _restored(model, inputs), tracker as memory:
+    with preserved(model, inputs), tracker as memory:
         run(after_forward=lambda: memory.snapshot("forward"))
-    with _restored(model, inputs), FlopCounterMode(display=False) as flops:
+    with preserved(model, inputs), FlopCounterMode(display=False) as flops:
         run()
 
     times = []
     for _ in range(repeats):
-        with _restored(model, inputs):
+        with preserved(model, inputs):
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()

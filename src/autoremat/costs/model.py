@@ -1,0 +1,287 @@
+"""The cost model: from a recorded step, what recomputing each node frees, holds and peaks at.
+
+Every function here is pure: it reads a :class:`~autoremat.costs.recording.Recording` and its
+:class:`~autoremat.costs.timeline.Timeline` and returns figures. ``docs/cost-model.md`` gives
+the reasoning and the measured error; in short, for a node checkpointed:
+
+* **freed**: storages saved for backward only inside its subtree, other than its inputs, less
+  its inputs nothing inside saved (the checkpoint keeps every input until the node's
+  backward, longer than they would otherwise live): :func:`freed_bytes`;
+* **held during its forward**: those charged inputs from its start, less what its finished
+  parts saved (a checkpointed forward drops it, :func:`released`), more, for a selective
+  recompute, each kept output nothing else saves, from when it was made: :func:`held_from`;
+* **recompute peak**: the live bytes when backward first uses what it saved, less what it
+  freed, plus the most its forward had added since it began, up to its last save (where
+  checkpoint's early stop ends the recompute): :func:`recompute_peak`;
+* **runs** of consecutive children of a plain ``nn.Sequential``, priced as one node:
+  :func:`runs`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass
+
+from torch import nn
+
+from autoremat.costs.recording import Recording, lineage
+from autoremat.costs.timeline import Timeline
+from autoremat.entries import inside
+from autoremat.tree import Node
+
+__all__ = [
+    "MAX_RUN",
+    "Run",
+    "freed_bytes",
+    "held_from",
+    "kept_cost",
+    "lowest_common",
+    "recompute_peak",
+    "released",
+    "runs",
+]
+
+MAX_RUN = 64  # longest run of Sequential children considered as one recompute
+
+Steps = tuple[tuple[int, int], ...]
+Storages = dict[int, tuple[int, int]]  # kept output id -> (storage key, bytes)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Recomputing children ``i..j-1`` of a plain ``nn.Sequential`` as one: what it frees and
+    its recompute's peak (as :class:`~autoremat.costs.profile.NodeCost` has them)."""
+
+    i: int
+    j: int
+    freed: int
+    recompute_peak: int
+
+
+def lowest_common(paths: set[str], parent: dict[str, str | None], depth: dict[str, int]) -> str:
+    """The lowest common ancestor of ``paths`` (paths outside the tree count as its root): the
+    smallest subtree that holds them all."""
+    root = next(p for p, up in parent.items() if up is None)
+    found = [p if p in parent else root for p in paths]
+    lca = found[0]
+    for other in found[1:]:
+        a, b = lca, other
+        while depth[a] > depth[b]:
+            a = parent[a]  # type: ignore[assignment]
+        while depth[b] > depth[a]:
+            b = parent[b]  # type: ignore[assignment]
+        while a != b:
+            a, b = parent[a], parent[b]  # type: ignore[assignment]
+        lca = a
+    return lca
+
+
+def freed_bytes(rec: Recording) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes each node's recompute would free (negative: would cost), and the part of the
+    cost that is its inputs (charged; held from its start).
+
+    Freed: storages saved for backward only inside the node's subtree, other than its inputs.
+    Cost: its inputs that nothing inside the subtree saved. The checkpoint keeps every input
+    until the node's backward; such an input would otherwise have been freed sooner.
+    """
+    parent, depth = lineage(rec.tree)
+    freed: dict[str, int] = defaultdict(int)
+    charged: dict[str, int] = defaultdict(int)
+    for key, (size, who) in rec.savers.items():
+        node: str | None = lowest_common(who, parent, depth)
+        while node is not None:
+            if key not in rec.input_keys[node]:
+                freed[node] += size
+            node = parent[node]
+    for n in rec.tree.walk():
+        for key, size in rec.input_keys[n.path].items():
+            saved_inside = key in rec.savers and any(inside(p, n.path) for p in rec.savers[key][1])
+            if not saved_inside:
+                freed[n.path] -= size
+                charged[n.path] += size
+    return freed, charged
+
+
+def released(rec: Recording, ends: dict[str, int]) -> dict[str, list[tuple[int, int, int]]]:
+    """For each node, the storages saved for backward inside it that its forward no longer
+    holds, part-way through, when the node is checkpointed: ``(point, storage, bytes)``.
+
+    Checkpointing drops what its forward's ops save. A storage saved only inside a node ``r``
+    strictly below, created in ``r`` (not its input) and not part of its output, is held by
+    nothing but autograd once ``r`` has ended: from point ``end[r] + 1`` on, a checkpointed
+    ancestor's forward runs with those bytes gone (unless a selective recompute keeps them).
+    """
+    parent, depth = lineage(rec.tree)
+    found: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    for key, (size, who) in rec.savers.items():
+        r: str | None = lowest_common(who, parent, depth)
+        while r is not None and (key in rec.input_keys[r] or key in rec.output_keys[r]):
+            r = parent[r]
+        if r is None or r not in ends:
+            continue
+        point = ends[r] + 1
+        above = parent[r]
+        while above is not None and key not in rec.input_keys[above]:
+            found[above].append((point, key, size))
+            above = parent[above]
+    return found
+
+
+def steps(changes: list[tuple[int, int]]) -> Steps:
+    """``(point, bytes)`` changes summed per point, in point order, zeros left out."""
+    total: dict[int, int] = defaultdict(int)
+    for point, size in changes:
+        total[point] += size
+    return tuple((p, b) for p, b in sorted(total.items()) if b)
+
+
+def kept_cost(rec: Recording, path: str, kept: Storages) -> int:
+    """Bytes that a selective recompute of ``path`` frees less than a full one: the kept
+    storages the full recompute would have freed (saved only inside it), and those nothing
+    saved (the cache holds them until the node's backward, when they would have been gone)."""
+    lost = 0
+    for uid, (key, size) in kept.items():
+        if key in rec.input_keys[path]:
+            continue
+        if all(inside(p, path) for p in rec.kept_savers.get(uid, ())):
+            lost += size
+    return lost
+
+
+def held_from(
+    rec: Recording,
+    line: Timeline,
+    gone: list[tuple[int, int, int]],
+    kept: Storages,
+) -> Steps:
+    """How the bytes a checkpoint of a node holds beyond the step without recompute change
+    during its forward (``gone``: its :func:`released` storages; ``kept``: the outputs its
+    selective way keeps, empty for a whole recompute): less what finished parts saved, which
+    its forward drops; more each kept output nothing saves, from when it was made."""
+    cached = {key for uid, (key, _) in kept.items() if rec.kept_savers.get(uid)}
+    return steps(
+        [(p, -size) for p, key, size in gone if key not in cached]
+        + [
+            (line.ended_before[rec.born[uid]], size)
+            for uid, (_, size) in kept.items()
+            if not rec.kept_savers.get(uid)
+        ]
+    )
+
+
+def recompute_peak(rec: Recording, line: Timeline, path: str, freed: int, kept: Storages) -> int:
+    """The live bytes at the peak of a recompute of ``path`` that frees ``freed`` and, if
+    selective, takes ``kept`` from its cache (0 when its backward never ran): when it begins,
+    those of the step without recompute less ``freed``; then, at each moment of its forward up
+    to its last save (where checkpoint's early stop ends the recompute), plus what the forward
+    had added since the node began, less the kept outputs made before that moment (in the
+    cache from the start, so counted already)."""
+    if path not in line.backward_now:
+        return 0
+    events = rec.events
+    made = sorted((rec.born[uid], size) for uid, (_, size) in kept.items())
+    borns = [b for b, _ in made]
+    before = [0, *itertools.accumulate(size for _, size in made)]
+    first, last = line.events[path]
+    stop, high = rec.last_save.get(path, (first + 1, events[first][3]))
+    moments = [(i, events[i][2]) for i in range(first + 1, min(stop, last + 1))]
+    began = events[first][3]
+    most = max(
+        b - began - before[bisect.bisect_left(borns, i)] for i, b in [*moments, (stop, high)]
+    )
+    return line.backward_now[path] - freed + most
+
+
+def _chained_children(node: Node, line: Timeline) -> bool:
+    """Whether ``node`` is a plain ``nn.Sequential`` whose children ran once each, in order."""
+    kids = node.children
+    return (
+        type(node.module).forward is nn.Sequential.forward
+        and len(kids) >= 2
+        and [c.module for c in kids] == list(node.module)
+        and all(c.calls == 1 and c.path in line.events for c in kids)
+    )
+
+
+def runs(rec: Recording, line: Timeline) -> dict[str, tuple[Run, ...]]:
+    """Costs of recomputing runs of two or more consecutive children of each plain
+    ``nn.Sequential`` (whose stock forward chains its children), as :func:`freed_bytes` and
+    :func:`recompute_peak` price one node: a run's recompute begins when backward first uses
+    what any of its children saved, and ends at the last save of any."""
+    return {
+        node.path: tuple(_runs_of(rec, line, node))
+        for node in rec.tree.walk()
+        if _chained_children(node, line)
+    }
+
+
+def _child_index(node: Node) -> dict[str, int]:
+    return {c.path: k for k, c in enumerate(node.children)}
+
+
+def _child_of(node: Node, index: dict[str, int], path: str) -> int:
+    """The index of the child of ``node`` that ``path`` is inside, -1 if none."""
+    prefix = f"{node.path}." if node.path else ""
+    if path == node.path or not path.startswith(prefix):
+        return -1
+    return index.get(prefix + path[len(prefix) :].split(".", 1)[0], -1)
+
+
+def _gains(rec: Recording, node: Node) -> list[list[int]]:
+    """``gain[i][j]``: bytes saved only inside children ``i..j-1`` that run ``[i:j)`` frees,
+    counted at the shortest run that holds every saver."""
+    kids, index = node.children, _child_index(node)
+    gain = [[0] * (len(kids) + 1) for _ in kids]
+    for key, (size, who) in rec.savers.items():
+        where = [_child_of(node, index, p) for p in who]
+        if min(where) < 0:
+            continue
+        lo, hi = min(where), max(where)
+        for i in range(max(0, hi - MAX_RUN + 1), lo + 1):
+            if key not in rec.input_keys[kids[i].path]:
+                gain[i][hi + 1] += size
+    return gain
+
+
+def _charges(rec: Recording, node: Node, i: int) -> list[int]:
+    """``charges[j]``: inputs of child ``i`` that no child in ``[i:j)`` saves, for every j."""
+    kids, index = node.children, _child_index(node)
+    n = len(kids)
+    charges = [0] * (n + 1)
+    for key, size in rec.input_keys[kids[i].path].items():
+        users = [_child_of(node, index, p) for p in rec.savers[key][1]] if key in rec.savers else []
+        first = min([u for u in users if u >= i], default=n)
+        for j in range(i + 1, min(first + 1, n + 1)):
+            charges[j] += size
+    return charges
+
+
+def _runs_of(rec: Recording, line: Timeline, node: Node) -> list[Run]:
+    kids, events = node.children, rec.events
+    gain = _gains(rec, node)
+    found = []
+    for i in range(len(kids)):
+        charges = _charges(rec, node, i)
+        start_event = line.events[kids[i].path][0]
+        freed = 0
+        first: tuple[int, int] | None = None  # the first use of what the run saved
+        stop = (0, 0)  # its last save
+        for j in range(i + 1, min(len(kids), i + MAX_RUN) + 1):
+            freed += gain[i][j]
+            use = rec.unpacked.get(kids[j - 1].path)
+            if use is not None and (first is None or use < first):
+                first = use
+            stop = max(stop, rec.last_save.get(kids[j - 1].path, (0, 0)))
+            if j - i < 2:
+                continue
+            last = kids[j - 1].path
+            end_event = min(line.events[last][1], stop[0] - 1)
+            high = max([e[2] for e in events[start_event + 1 : end_event + 1]] + [stop[1]])
+            added = high - events[start_event][3]
+            begins = line.backward_now.get(last, 0) if first is None else first[1]
+            frees = freed - charges[j]
+            peak = begins - frees + added if last in line.backward_now else 0
+            found.append(Run(i, j, frees, peak))
+    return found

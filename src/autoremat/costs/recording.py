@@ -1,0 +1,257 @@
+"""Recording one training step: what each module saved, ran, held and when.
+
+:func:`record_step` runs forward, loss and backward once, without recompute, under the live
+memory tracker (:class:`~autoremat.memory.LiveMemory`), a dispatch mode that attributes every
+forward op to the innermost running module (:class:`OpCosts`), saved-tensor hooks and module
+hooks. It returns the raw facts as a :class:`Recording`; :mod:`autoremat.costs.model` derives
+the cost model from them. Nothing here knows of plans, solvers or wraps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from autoremat.huggingface import cache_off_in_training
+from autoremat.memory import LiveMemory
+from autoremat.nested import iter_tensors, storage_key
+from autoremat.progress import Progress
+from autoremat.selective import WAYS, keeps, resolve
+from autoremat.snapshot import preserved
+from autoremat.step import LossFn, leaf_inputs, train_step
+from autoremat.tree import Node
+
+__all__ = ["Event", "Kept", "OpCosts", "OwnOps", "Recording", "lineage", "record_step"]
+
+# (kind, path, peak since the previous event, live bytes now); kind is "start" or "end" of a
+# module's forward, "backward" when its backward began, "loss" when the forward ended, "done"
+Event = tuple[str, str, int, int]
+
+
+@dataclass
+class Kept:
+    """What the ops one way of selective recompute keeps cost, for one module."""
+
+    flops: int = 0
+    written: int = 0
+    # the storages it keeps: id -> (storage key, bytes)
+    storages: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass
+class OwnOps:
+    """What the ops a module ran itself (not in a child) cost, for one module."""
+
+    flops: int = 0
+    written: int = 0
+    ops: int = 0
+    kept: dict[str, Kept] = field(default_factory=lambda: {w: Kept() for w in WAYS})
+
+
+@dataclass
+class Recording:
+    """The facts of one recorded step (see the module docstring).
+
+    ``savers``: storage key -> (bytes, the innermost modules that saved it for backward);
+    ``input_keys``/``output_keys``: the new storages each module took in and gave out;
+    ``kept_savers``: kept output id -> who saved it; ``born``: kept output id -> the event
+    count when it was made; ``last_save``: module -> (event count, peak then) at its forward's
+    last save; ``unpacked``: module -> (order, live bytes) when backward first used what it
+    saved.
+    """
+
+    tree: Node
+    events: list[Event]
+    own_saved: dict[str, int]
+    own_ops: dict[str, OwnOps]
+    savers: dict[int, tuple[int, set[str]]]
+    input_keys: dict[str, dict[int, int]]
+    output_keys: dict[str, set[int]]
+    kept_savers: dict[int, set[str]]
+    born: dict[int, int]
+    last_save: dict[str, tuple[int, int]]
+    unpacked: dict[str, tuple[int, int]]
+
+
+class OpCosts(TorchDispatchMode):
+    """Adds each forward op's FLOPs (``torch.utils.flop_counter`` formulas) and the bytes of
+    the new storages it wrote to the running module, and apart, for each way of selective
+    recompute, those of the ops whose outputs it keeps."""
+
+    def __init__(self, stack: list[str], own: dict[str, OwnOps], clock: Callable[[], int]):
+        super().__init__()
+        self.stack = stack
+        self.own = own
+        self.clock = clock
+        self.born: dict[int, int] = {}  # kept output id -> the clock when it was made
+        self.counting = True
+        self.keep = {way: resolve(ops) for way, ops in WAYS.items()}
+        # storage key -> id of the kept output that has it now (a key can be reused once the
+        # storage is freed: ids tell the storages apart)
+        self.current: dict[int, int] = {}
+        self.ids = itertools.count()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.counting:
+            return out
+        own = self.own[self.stack[-1]]
+        formula = flop_registry.get(func._overloadpacket)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        seen = {storage_key(t) for _, t in iter_tensors((args, kwargs))}
+        new: dict[int, int] = {}
+        for _, t in iter_tensors(out):
+            key = storage_key(t)
+            if key is not None and key not in seen:
+                new[key] = t.untyped_storage().nbytes()
+                self.current.pop(key, None)
+        written = sum(new.values())
+        own.flops += flops
+        own.written += written
+        own.ops += 1
+        self._keep(func, args, kwargs, own, flops, written, new)
+        return out
+
+    def _keep(self, func: Any, args: Any, kwargs: Any, own: OwnOps, flops: int, written: int,
+              new: dict[int, int]) -> None:  # fmt: skip
+        uids: dict[int, int] = {}
+        for way, packets in self.keep.items():
+            if keeps(func, args, kwargs, packets):
+                kept = own.kept[way]
+                kept.flops += flops
+                kept.written += written
+                for key, size in new.items():
+                    if key not in uids:
+                        self.current[key] = uids[key] = next(self.ids)
+                        self.born[uids[key]] = self.clock()
+                    kept.storages[uids[key]] = (key, size)
+
+
+def lineage(tree: Node) -> tuple[dict[str, str | None], dict[str, int]]:
+    """Each node's parent (``None`` for the root) and depth."""
+    parent: dict[str, str | None] = {tree.path: None}
+    depth: dict[str, int] = {tree.path: 0}
+    for node in tree.walk():
+        for child in node.children:
+            parent[child.path] = node.path
+            depth[child.path] = depth[node.path] + 1
+    return parent, depth
+
+
+class _Recorder:
+    """The hooks of one recorded step, writing into one :class:`Recording`."""
+
+    def __init__(self, model: nn.Module, tree: Node, inputs: list[torch.Tensor]) -> None:
+        self.stack: list[str] = [""]
+        self.memory = LiveMemory()
+        self.parent = lineage(tree)[0]
+        self.preexisting = {
+            storage_key(t) for t in [*model.parameters(), *model.buffers(), *inputs]
+        }
+        self.grad_hooks: list[Any] = []
+        self.progress = Progress("profiling", sum(n.calls for n in tree.walk()), "module calls")
+        self.rec = Recording(
+            tree, [], defaultdict(int), defaultdict(OwnOps), {}, defaultdict(dict),
+            defaultdict(set), defaultdict(set), {}, {}, {},
+        )  # fmt: skip
+        self.costs = OpCosts(self.stack, self.rec.own_ops, clock=lambda: len(self.rec.events))
+        self.rec.born = self.costs.born
+
+    def mark(self, kind: str, path: str) -> None:
+        self.rec.events.append((kind, path, self.memory.peak, self.memory.current))
+        self.memory.reset_peak()
+
+    def pack(self, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+        rec, here = self.rec, self.stack[-1]
+        if self.costs.counting:
+            path: str | None = here
+            while path is not None:
+                rec.last_save[path] = (len(rec.events), self.memory.peak)
+                path = self.parent.get(path)
+        key = storage_key(t)
+        if key is None or key in self.preexisting:
+            return here, t
+        if key not in rec.savers:
+            rec.savers[key] = (t.untyped_storage().nbytes(), set())
+            rec.own_saved[here] += t.untyped_storage().nbytes()
+        rec.savers[key][1].add(here)
+        uid = self.costs.current.get(key)
+        if uid is not None:
+            rec.kept_savers[uid].add(here)
+        return here, t
+
+    def unpack(self, packed: tuple[str, torch.Tensor]) -> torch.Tensor:
+        path: str | None = packed[0]
+        while path is not None and path not in self.rec.unpacked:
+            self.rec.unpacked[path] = (len(self.rec.unpacked), self.memory.current)
+            path = self.parent.get(path)
+        return packed[1]
+
+    def enter(self, module: nn.Module, a: Any, kw: Any, path: str) -> None:
+        self.mark("start", path)
+        self.stack.append(path)
+        self.rec.input_keys[path].update(
+            (key, t.untyped_storage().nbytes())
+            for _, t in iter_tensors((a, kw))
+            if (key := storage_key(t)) is not None and key not in self.preexisting
+        )
+
+    def leave(self, module: nn.Module, a: Any, kw: Any, out: Any, path: str) -> None:
+        self.stack.pop()
+        self.mark("end", path)
+        self.progress.step()
+        self.rec.output_keys[path].update(storage_key(t) for _, t in iter_tensors(out))
+        needs_grad = [t for _, t in iter_tensors(out) if t.requires_grad]
+        if needs_grad:
+            self.grad_hooks.append(
+                torch.autograd.graph.register_multi_grad_hook(
+                    needs_grad, lambda _g, p=path: self.mark("backward", p), mode="any"
+                )
+            )
+
+    def after_forward(self) -> None:
+        self.costs.counting = False
+        self.mark("loss", "")
+
+
+def record_step(
+    model: nn.Module,
+    args: Any,
+    kwargs: dict[str, Any] | None,
+    tree: Node,
+    loss_fn: LossFn | None,
+    meta: bool,
+) -> Recording:
+    """Run one training step of ``model`` (see :func:`autoremat.step.train_step`) and record
+    it (module docstring). Hugging Face caches are off in training, as once wrapped (not on
+    ``meta``, where the cache-less path of their mask code reads tensor values). The model is
+    left as it was found."""
+    inputs = [t for _, t in iter_tensors((args, kwargs))]
+    rec = _Recorder(model, tree, inputs)
+    handles = []
+    for path, m in {id(n.module): (n.path, n.module) for n in tree.walk()}.values():
+        pre = functools.partial(rec.enter, path=path)
+        post = functools.partial(rec.leave, path=path)
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True))
+    cache_off = contextlib.nullcontext() if meta else cache_off_in_training(model)
+    try:
+        with preserved(model, leaf_inputs(args, kwargs)), cache_off, rec.memory, rec.costs:
+            with torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+                train_step(model, args, kwargs, loss_fn, after_forward=rec.after_forward)
+            rec.mark("done", "")
+    finally:
+        for h in handles + rec.grad_hooks:
+            h.remove()
+    return rec.rec

@@ -1,0 +1,98 @@
+"""The step's memory timeline: where each node sits, and the live bytes at each point.
+
+Nodes are numbered ``0..n-1`` by the time their (last) forward call ended, their ``end``; a
+node's ``start`` is how many nodes had ended before its first call began. A *point*
+``(p, bytes)`` says that at some moment ``bytes`` were live while exactly the nodes numbered
+below ``p`` had ended their forward and not begun their backward: recomputing any of those
+would have lowered that moment by what it frees. Points of the forward pass (up to the loss)
+are kept apart from those after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoremat.costs.recording import Event
+from autoremat.tree import Node
+
+__all__ = ["Timeline", "timeline"]
+
+Points = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """``spans``: node -> (start, end); ``forward_points``/``backward_points``; ``events``:
+    node -> (index of its first event, of its last); ``backward_now``: node -> live bytes when
+    its recompute would begin (when backward first used what it saved, else when its backward
+    began); ``ended_before[i]``: how many nodes had ended before event ``i``."""
+
+    spans: dict[str, tuple[int, int]]
+    forward_points: Points
+    backward_points: Points
+    events: dict[str, tuple[int, int]]
+    backward_now: dict[str, int]
+    ended_before: list[int]
+
+
+def timeline(tree: Node, events: list[Event], unpacked: dict[str, int]) -> Timeline:
+    """The :class:`Timeline` of a recorded step (``unpacked``: node -> live bytes when
+    backward first used what it saved)."""
+    last_end: dict[str, int] = {}
+    first_start: dict[str, int] = {}
+    for i, (kind, path, _, _) in enumerate(events):
+        if kind == "end":
+            last_end[path] = i
+        elif kind == "start":
+            first_start.setdefault(path, i)
+    order = sorted(last_end, key=last_end.__getitem__)
+    index = {path: k for k, path in enumerate(order)}
+    ended_before = _ended_before(sorted(last_end.values()), len(events))
+    spans = {
+        n.path: (ended_before[first_start[n.path]], index[n.path])
+        for n in tree.walk()
+        if n.path in last_end
+    }
+    forward, backward, backward_now = _points(events, index, ended_before, unpacked)
+    return Timeline(
+        spans=spans,
+        forward_points=forward,
+        backward_points=backward,
+        events={path: (first_start[path], last_end[path]) for path in last_end},
+        backward_now=backward_now,
+        ended_before=ended_before,
+    )
+
+
+def _ended_before(ends: list[int], count: int) -> list[int]:
+    """``found[i]``: how many of the sorted event indices ``ends`` are below ``i``."""
+    found = [0] * (count + 1)
+    j = 0
+    for i in range(count + 1):
+        while j < len(ends) and ends[j] < i:
+            j += 1
+        found[i] = j
+    return found
+
+
+def _points(
+    events: list[Event], index: dict[str, int], ended_before: list[int], unpacked: dict[str, int]
+) -> tuple[Points, Points, dict[str, int]]:
+    """The most live bytes at each point, in the forward and after it; and the live bytes when
+    each node's recompute would begin."""
+    loss_at = next(i for i, e in enumerate(events) if e[0] == "loss")
+    peaks: tuple[dict[int, int], dict[int, int]] = ({}, {})
+    backward_now: dict[str, int] = {}
+    started = [False] * len(index)
+    prefix = len(index)  # nodes 0..prefix-1 have all not begun their backward
+    for i, (kind, path, peak, now) in enumerate(events):
+        # the peak was reached in the interval that ends with event i
+        p = ended_before[i] if i <= loss_at else prefix
+        phase = peaks[0 if i <= loss_at else 1]
+        phase[p] = max(phase.get(p, 0), peak)
+        if kind == "backward" and path in index and not started[index[path]]:
+            started[index[path]] = True
+            prefix = min(prefix, index[path])
+            backward_now[path] = unpacked.get(path, now)
+    forward, backward = (tuple(sorted(phase.items())) for phase in peaks)
+    return forward, backward, backward_now

@@ -1,0 +1,167 @@
+"""Timing: each module's forward, each op alone, and what a recompute adds per op.
+
+Time prices recompute (``objective="time"``): a recompute runs its module's ops again, plus
+checkpoint's dispatch per op, plus, when selective, the Python policy selective checkpointing
+calls for every op. :func:`time_forward` times the ops; :func:`overheads` measures the per-op
+overheads once per device. On ``meta`` nothing can be timed: :data:`DEFAULT_OVERHEADS`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoremat.nested import run_model
+from autoremat.selective import WAYS, keeps, resolve
+from autoremat.snapshot import preserved
+
+__all__ = ["DEFAULT_OVERHEADS", "OpTimes", "overheads", "per_op", "time_forward"]
+
+# Per-op overheads assumed where nothing can be timed (meta): a recompute's dispatch, and
+# selective checkpointing's Python policy and cache, per op (forward and recompute together).
+DEFAULT_OVERHEADS = (5e-6, 5e-5)
+
+
+class OpTimes(TorchDispatchMode):
+    """Adds the time of each op (the op alone; on CUDA with a synchronize before and after)
+    to the running module, and apart for each way of selective recompute that keeps it."""
+
+    def __init__(self, stack: list[str], seconds: dict[tuple[str, str], float], sync: Any):
+        super().__init__()
+        self.stack, self.seconds, self.sync = stack, seconds, sync
+        self.keep = {way: resolve(ops) for way, ops in WAYS.items()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        self.sync()
+        begin = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.sync()
+        took = time.perf_counter() - begin
+        path = self.stack[-1]
+        self.seconds[path, ""] += took
+        for way, packets in self.keep.items():
+            if keeps(func, args, kwargs, packets):
+                self.seconds[path, way] += took
+        return out
+
+
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def time_forward(
+    model: nn.Module,
+    args: Any,
+    kwargs: dict[str, Any] | None,
+    nodes: dict[int, tuple[str, nn.Module]],
+    device: torch.device,
+    runs: int = 2,
+) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    """Inclusive forward wall time per node (all calls), and the time of each node's own ops
+    (``(path, "")``) and of those each way of selective recompute keeps (``(path, way)``):
+    the fastest of ``runs`` forwards, each figure on its own. ``nodes``: module id -> (path,
+    module)."""
+    best_seconds: dict[str, float] = defaultdict(float)
+    best_ops: dict[tuple[str, str], float] = defaultdict(float)
+    for k in range(runs):
+        seconds, ops = _one_timed_forward(model, args, kwargs, nodes, _sync_for(device))
+        for path, t in seconds.items():
+            best_seconds[path] = t if k == 0 else min(best_seconds.get(path, math.inf), t)
+        for key, t in ops.items():
+            best_ops[key] = t if k == 0 else min(best_ops.get(key, math.inf), t)
+    return best_seconds, best_ops
+
+
+def _one_timed_forward(
+    model: nn.Module,
+    args: Any,
+    kwargs: dict[str, Any] | None,
+    nodes: dict[int, tuple[str, nn.Module]],
+    sync: Callable[[], None],
+) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    starts: dict[str, list[float]] = defaultdict(list)
+    seconds: dict[str, float] = defaultdict(float)
+    ops: dict[tuple[str, str], float] = defaultdict(float)
+    stack = [""]
+
+    def enter(path: str) -> None:
+        stack.append(path)
+        starts[path].append(time.perf_counter())
+
+    def leave(path: str) -> None:
+        stack.pop()
+        seconds[path] += time.perf_counter() - starts[path].pop()
+
+    handles = []
+    for path, module in nodes.values():
+        handles.append(module.register_forward_pre_hook(lambda *_, p=path: enter(p)))
+        handles.append(module.register_forward_hook(lambda *_, p=path: leave(p)))
+    try:
+        with preserved(model), torch.enable_grad(), OpTimes(stack, ops, sync):
+            run_model(model, args, kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seconds, ops
+
+
+def per_op(times: dict[str, float], ops: int) -> tuple[float, float]:
+    """The per-op overheads ``(checkpoint, selective)`` from the fastest step times of a chain
+    of ``ops`` ops run ``"plain"``, checkpointed ``"full"`` and checkpointed ``"selective"``:
+    what each adds over plain, per op, never negative, and the selective one never below the
+    checkpoint one (it runs a checkpoint too)."""
+    full = max(0.0, times["full"] - times["plain"]) / ops
+    return full, max(full, (times["selective"] - times["plain"]) / ops)
+
+
+@functools.cache
+def overheads(device: torch.device, ops: int = 64, repeats: int = 5) -> tuple[float, float]:
+    """Seconds a recompute adds per op beyond the op's own time, measured once per device on a
+    chain of ``ops`` tiny ops (fastest of ``repeats``): ``(checkpoint, selective)``
+    (:func:`per_op`). The first is what checkpoint's recompute costs per op in dispatch and
+    autograd; the second what a selective checkpoint costs per op, its forward and its
+    recompute together (every op of a selectively recomputed module goes through its Python
+    policy twice)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from autoremat.selective import context_fn
+
+    if device.type == "meta":
+        return DEFAULT_OVERHEADS
+    sync = _sync_for(device)
+    x = torch.ones(4, device=device, requires_grad=True)
+
+    def chain(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(ops):
+            t = torch.sin(t)
+        return t
+
+    def step(how: str) -> float:
+        sync()
+        begin = time.perf_counter()
+        if how == "plain":
+            y = chain(x)
+        elif how == "full":
+            y = checkpoint(chain, x, use_reentrant=False)
+        else:
+            y = checkpoint(chain, x, use_reentrant=False, context_fn=context_fn(("aten.mm",)))
+        y.sum().backward()
+        sync()
+        return time.perf_counter() - begin
+
+    times: dict[str, float] = {}
+    with torch.enable_grad():
+        for _ in range(repeats):
+            for how in ("plain", "full", "selective"):
+                times[how] = min(times.get(how, math.inf), step(how))
+    x.grad = None
+    return per_op(times, ops)

@@ -1,0 +1,68 @@
+"""Tensors inside nested Python values: the one walker every part of autoremat uses.
+
+Model inputs and outputs are tensors nested in tuples, lists, dicts, dataclasses and Hugging
+Face ``ModelOutput`` objects. :func:`iter_tensors` finds them, each with where it sat
+(``args[0]``, ``kwargs['attention_mask']``, ``out.logits``); with ``objects=True`` it also
+looks inside plain objects' attributes (a key/value cache object), to a bounded depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["iter_tensors", "run_model", "storage_key"]
+
+_ATOMS = (str, bytes, int, float, bool, complex, type(None), nn.Module, type)
+
+
+def iter_tensors(
+    obj: Any, where: str = "", *, objects: bool = False, depth: int | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(where, tensor)`` for every tensor nested in ``obj``.
+
+    Searched: tuples, lists, mappings and dataclasses (``ModelOutput`` is both a mapping and a
+    dataclass: its set fields are found once). With ``objects``, also the attributes of other
+    objects (``where`` then shows ``<Class>``); modules, types and strings are never entered.
+    ``depth`` bounds how many containers deep the search goes (``None``: no bound).
+    """
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+        return
+    if depth == 0 or isinstance(obj, _ATOMS):
+        return
+    below = None if depth is None else depth - 1
+    if isinstance(obj, Mapping):
+        items: Any = ((f"[{k!r}]", v) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(obj))
+    elif dataclasses.is_dataclass(obj):
+        items = ((f".{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    elif objects and hasattr(obj, "__dict__"):
+        where = f"{where}<{type(obj).__name__}>"
+        items = ((f"[{k!r}]", v) for k, v in vars(obj).items())
+    else:
+        return
+    for suffix, value in items:
+        yield from iter_tensors(value, where + suffix, objects=objects, depth=below)
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """An identity for the storage behind ``t``, equal for every view of it; ``None`` for a
+    tensor without a storage (sparse, some wrapper subclasses). Valid while the storage lives:
+    a freed storage's key can be reused."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def run_model(model: nn.Module, args: tuple[Any, ...] | Any, kwargs: dict[str, Any] | None) -> Any:
+    """Call ``model(*args, **kwargs)``; a bare ``args`` that is not a tuple is one argument."""
+    if not isinstance(args, tuple):
+        args = (args,)
+    return model(*args, **(kwargs or {}))

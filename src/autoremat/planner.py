@@ -1,0 +1,129 @@
+"""Making a plan: :func:`plan` checks what it was asked, runs the model once for what the
+chosen strategy needs, and lets the strategy choose; :func:`lowest_budget` says the least a
+budget may be."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from autoremat.costs import profile
+from autoremat.plans import Plan, fingerprint, structure
+from autoremat.step import LossFn
+from autoremat.strategies import STRATEGIES, Options, Strategy
+from autoremat.strategies import budget as budget_strategy
+from autoremat.strategies.levels import DEFAULT_SEGMENTS
+from autoremat.tree import Node, build_tree
+
+__all__ = ["lowest_budget", "plan"]
+
+
+def plan(
+    model: nn.Module,
+    args: tuple[Any, ...] | Any = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    segments: int | None = None,
+    budget: int | float | str | None = None,
+    loss_fn: LossFn | None = None,
+    selective: bool = True,
+    objective: str = "time",
+) -> Plan:
+    """Choose the modules of ``model`` to recompute.
+
+    With ``segments`` (default 3 when no budget is given), the levels strategy of the method
+    (claims 2-3): the tree is walked level by level until the scheme holds more than
+    ``segments`` modules (:func:`autoremat.strategies.levels.choose_levels`).
+
+    With ``budget``, the budget strategy: profile one training step (``loss_fn`` as in
+    :func:`autoremat.measure`), then choose the modules, anywhere in the tree and never one
+    inside another, whose recompute costs least while the predicted step peak stays within the
+    budget (:mod:`autoremat.strategies.budget`). ``budget`` is bytes (int), a fraction of the
+    no-recompute peak (float, ``0 < f <= 1``), a percentage (``"50%"``) or a size string
+    (``"800MB"``, ``"6GiB"``). A budget at or above the no-recompute peak gives an empty plan.
+    Each chosen module is recomputed whole, or, with ``selective`` (the default), possibly
+    selectively: the outputs of its matrix products, convolutions and attention kernels are
+    kept and only the other ops are recomputed (:mod:`autoremat.selective`); the planner picks
+    whichever fits the budget at the least cost. ``objective`` says what cost is: ``"time"``
+    (the default), the recompute's time as profiled (its ops timed one by one, pointwise ops
+    included, plus checkpoint's and selective checkpointing's measured per-op overheads), or
+    ``"flops"``, its FLOPs as ``FlopCounterMode`` counts them (pointwise ops free; bytes written
+    break ties; the plan is the same on every machine).
+
+    Both run the model on the example inputs and leave it as they found it.
+
+    Raises:
+        ValueError: ``segments`` negative; both ``segments`` and ``budget``; a malformed or
+            non-positive budget (the message lists the accepted forms); a budget below the
+            lowest peak any plan reaches (:class:`~autoremat.strategies.budget.BudgetTooLow`,
+            whose ``lowest`` is that peak); no submodule ran.
+        TypeError: ``segments`` not an int, ``budget`` of another type, or ``model`` not an
+            ``nn.Module``.
+        ExampleInputsError: (a ValueError) the example inputs fail in forward; the message
+            names the module.
+    """
+    if segments is not None and budget is not None:
+        raise ValueError(
+            "segments and budget are mutually exclusive: pass segments=K for the levels "
+            "strategy, or budget=... for the memory-budget strategy"
+        )
+    if budget is None and segments is None:
+        segments = DEFAULT_SEGMENTS
+    options = Options(type(model).__name__, segments, budget, loss_fn, selective, objective)
+    strategy = STRATEGIES["budget" if budget is not None else "segments"]
+    strategy.check(options)
+    evidence, tree = _evidence(strategy, model, args, kwargs, options)
+    return Plan(
+        strategy=strategy.name,
+        model_class=type(model).__name__,
+        fingerprint=fingerprint(model),
+        structure=structure(model),
+        tree=tree,
+        **strategy.choose(evidence, options),
+    )
+
+
+def _evidence(
+    strategy: Strategy, model: nn.Module, args: Any, kwargs: Any, options: Options
+) -> tuple[Any, Node]:
+    """What ``strategy`` needs of the model (its tree, or a profile), and the tree."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if strategy.needs == "profile":
+        prof = profile(model, args, kwargs, loss_fn=options.loss_fn)
+        _require_submodules(model, prof.tree)
+        return prof, prof.tree
+    tree = build_tree(model, args, kwargs)
+    _require_submodules(model, tree)
+    return tree, tree
+
+
+def _require_submodules(model: nn.Module, tree: Node) -> None:
+    if tree.is_leaf:
+        raise ValueError(
+            f"{type(model).__name__} has no submodules that ran on the example inputs: there "
+            f"is nothing to recompute; wrap it in a model with submodules, or check the inputs"
+        )
+
+
+def lowest_budget(
+    model: nn.Module,
+    args: tuple[Any, ...] | Any = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    selective: bool = True,
+    objective: str = "time",
+) -> int:
+    """The lowest budget, in bytes, that :func:`plan` meets for this model and inputs: the
+    least predicted step peak any plan reaches (the same figure an infeasible budget's error
+    states). Profiles one training step; the model is left as found.
+
+    Raises:
+        ValueError: no submodule ran, or ``objective`` is unknown; see :func:`plan`.
+    """
+    options = Options(type(model).__name__, None, 1, loss_fn, selective, objective)
+    budget_strategy.STRATEGY.check(options)
+    prof, _ = _evidence(budget_strategy.STRATEGY, model, args, kwargs, options)
+    return budget_strategy.lowest(prof, options)

@@ -1,0 +1,155 @@
+"""The adapter from a profile to the solver: one planning :class:`~autoremat.solver.Item` per
+node of the tree, priced, with the modules that cannot be candidates marked.
+
+This is where the budget strategy's view of a model is decided: which nodes are candidates
+(a module whose calls interleave with a sibling's, a TorchScript module or one whose forward
+was replaced on the instance are not), which ways each can be recomputed (whole, a run of a
+Sequential's children, each selective way that differs), and what each costs: seconds
+(``objective="time"``) or FLOPs (``"flops"``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from autoremat.costs import NodeCost, Profile
+from autoremat.entries import covered, parse_run
+from autoremat.selective import FULL
+from autoremat.solver import Item
+from autoremat.tree import Node
+from autoremat.wrap import unwrappable_reason
+
+__all__ = ["INTERLEAVED", "planning_tree", "recompute_seconds", "way_seconds"]
+
+INTERLEAVED = "it runs several times, interleaved with a sibling's calls"
+
+
+def planning_tree(
+    prof: Profile,
+    selective: bool = True,
+    skipped: dict[str, str] | None = None,
+    objective: str = "time",
+) -> Item:
+    """The budget strategy's view of a profile: one :class:`Item` per node, children in the
+    order they ended. A module called several times whose calls interleave with a sibling's
+    (a dropout used after attention and after the MLP), and its descendants, are not
+    candidates: the cost model places each node at one span. Modules that cannot be wrapped
+    are not candidates either. With ``selective``, each candidate has other ways to be
+    recomputed: selectively, in each way of :data:`autoremat.selective.WAYS` that differs
+    (:attr:`Item.other_ways`). With ``objective="time"`` each way is priced by its measured
+    time (:class:`~autoremat.costs.NodeCost` ``op_seconds`` and the profile's per-op
+    overheads), so cheap in FLOPs is not taken for free in time; with ``"flops"``, by FLOPs
+    (:attr:`Item.cost`). The modules left out that would have freed memory are written to
+    ``skipped``, with the reason."""
+    builder = _Builder(prof, selective, objective, {} if skipped is None else skipped)
+    return builder.build(prof.tree, True, "")
+
+
+def recompute_seconds(prof: Profile, item: Item) -> float:
+    """The seconds recomputing ``item`` (a node of :func:`planning_tree`, in its ``way``, or a
+    run ``path[i:j]``) adds, as ``prof`` timed it (:attr:`Item.seconds` with
+    ``objective="time"``)."""
+    if parse_run(item.path) is not None:
+        return sum(way_seconds(prof, prof[path], FULL) for path in covered(item.path))
+    return way_seconds(prof, prof[item.path], item.way)
+
+
+def way_seconds(prof: Profile, cost: NodeCost, way: str) -> float:
+    """What recomputing the node of ``cost`` in ``way`` costs in seconds: its recomputed ops'
+    time plus its op count times the per-op overhead of that way."""
+    if way == FULL:
+        return cost.op_seconds + cost.ops * prof.op_overhead
+    return cost.way(way).op_seconds + cost.ops * prof.selective_op_overhead
+
+
+def _buffer_bytes(module: nn.Module) -> int:
+    # the wrap copies the module's buffers around each recompute (autoremat.wrap)
+    return sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+def _interleaved(prof: Profile, kids: list[Node]) -> set[str]:
+    """Children whose calls interleave with a sibling's: the one called several times (the
+    solver then only checks the points after its sibling); if neither was, both."""
+    clash: set[str] = set()
+    for k, after in enumerate(kids):
+        for before in kids[:k]:
+            if prof[after.path].start <= prof[before.path].end:
+                shared = {c.path for c in (before, after) if c.calls > 1}
+                clash.update(shared or {before.path, after.path})
+    return clash
+
+
+class _Builder:
+    def __init__(self, prof: Profile, selective: bool, objective: str, skipped: dict[str, str]):
+        self.prof, self.selective, self.objective = prof, selective, objective
+        self.skipped = skipped
+
+    def timed(self, cost: NodeCost, way: str) -> float | None:
+        return way_seconds(self.prof, cost, way) if self.objective == "time" else None
+
+    def build(self, node: Node, allowed: bool, why: str) -> Item:
+        cost = self.prof[node.path]
+        reason = unwrappable_reason(node.module)
+        if cost.freed > 0 and (why or (allowed and reason)):
+            self.skipped[node.path] = why or reason  # type: ignore[assignment]
+        kids = sorted(node.children, key=lambda c: self.prof[c.path].end)
+        clash = _interleaved(self.prof, kids) if allowed else set()
+        children = tuple(
+            self.build(c, allowed and c.path not in clash, INTERLEAVED if c.path in clash else "")
+            for c in kids
+        )
+        return Item(
+            path=node.path,
+            start=cost.start,
+            end=cost.end,
+            freed=cost.freed,
+            flops=cost.flops,
+            candidate=allowed and reason is None,
+            children=children,
+            recompute_peak=cost.recompute_peak + _buffer_bytes(node.module),
+            runs=self.runs(cost, kids) if allowed else (),
+            written=cost.written,
+            held=cost.held,
+            held_from=cost.held_from,
+            other_ways=self.other_ways(node, cost),
+            seconds=self.timed(cost, FULL),
+        )
+
+    def runs(self, cost: NodeCost, kids: list[Node]) -> tuple[tuple[int, int, int, int, int], ...]:
+        return tuple(
+            (
+                r.i,
+                r.j,
+                r.freed,
+                sum(self.prof[c.path].flops for c in kids[r.i : r.j]),
+                r.recompute_peak + sum(_buffer_bytes(c.module) for c in kids[r.i : r.j]),
+            )
+            for r in cost.runs
+        )
+
+    def other_ways(self, node: Node, cost: NodeCost) -> tuple[Item, ...]:
+        """The selective ways worth offering: each frees something and keeps something, and
+        differs from those already offered."""
+        found: list[Item] = []
+        for way in cost.ways if self.selective else ():
+            if way.freed <= 0 or way.flops >= cost.flops:
+                continue  # frees nothing, or keeps nothing worth keeping
+            key = (way.freed, way.flops, way.held, way.held_from)
+            if any((o.freed, o.flops, o.held, o.held_from) == key for o in found):
+                continue  # the same as a way already offered (no batched matmuls here)
+            found.append(
+                Item(
+                    path=node.path,
+                    start=cost.start,
+                    end=cost.end,
+                    freed=way.freed,
+                    flops=way.flops,
+                    recompute_peak=way.recompute_peak + _buffer_bytes(node.module),
+                    written=way.written,
+                    held=way.held,
+                    held_from=way.held_from,
+                    way=way.way,
+                    seconds=self.timed(cost, way.way),
+                )
+            )
+        return tuple(found)

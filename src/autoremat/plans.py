@@ -1,0 +1,252 @@
+"""A :class:`Plan`: which modules to recompute, how they were chosen, and its JSON form.
+
+A plan is data: entries (:mod:`autoremat.entries`), the selective way of each selective
+entry, the figures its strategy predicted, and the module structure of the model it was made
+for (:func:`structure`, hashed into :func:`fingerprint`), so that applying it to another model
+is refused. :meth:`Plan.save` and :meth:`Plan.load` write and read it as JSON
+(:mod:`autoremat.plan_json` validates what is read).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from autoremat import wrap
+from autoremat.classes import own_class
+from autoremat.entries import covered
+from autoremat.selective import FULL, WAYS
+from autoremat.sizes import format_size
+from autoremat.tree import Node
+
+__all__ = ["FORMAT", "Choice", "Plan", "fingerprint", "structure"]
+
+# The "format" of a saved plan; Plan.load refuses others.
+FORMAT = "autoremat.plan/1"
+
+
+def structure(model: nn.Module) -> tuple[str, ...]:
+    """The module structure of ``model``: ``"path Class"`` for every module in
+    ``named_modules()`` order (``""`` is the root), with the classes modules had before
+    autoremat wrapped them or ``fully_shard`` sharded them."""
+    return tuple(f"{path} {own_class(m).__qualname__}" for path, m in model.named_modules())
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A short hash of :func:`structure`: equal for models built the same way."""
+    return hashlib.sha256("\n".join(structure(model)).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One chosen entry of a budget plan: bytes its recompute frees, FLOPs and seconds (as
+    profiled) it adds, and its ``way``: ``"full"`` (recomputed whole), or a selective way (a
+    key of :data:`autoremat.selective.WAYS`)."""
+
+    path: str
+    freed: int
+    flops: int
+    way: str = FULL
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which modules of a model to recompute in backward, and how they were chosen.
+
+    ``modules`` are plan entries: qualified names as in ``model.named_modules()`` (``""`` is
+    the model itself) or runs ``path[i:j]``, never one inside another; those also in
+    ``selective`` are recomputed selectively: ``selective`` maps each to the ops whose outputs
+    it keeps (:mod:`autoremat.selective`). A budget plan also predicts the step peak with and
+    without it (bytes, as :func:`autoremat.measure` defines ``peak``), and the FLOPs and
+    seconds its recomputes add (seconds as profiled: the recomputed ops' time plus
+    checkpoint's per-op overheads); its ``objective`` is what it minimised (``"time"`` or
+    ``"flops"``). ``print(plan)`` shows the choice and the tree with it marked ``*``.
+    """
+
+    modules: tuple[str, ...]
+    strategy: str
+    model_class: str
+    segments: int | None = None
+    budget: int | None = None
+    estimated_peak: int | None = None
+    baseline_peak: int | None = None
+    recompute_flops: int | None = None
+    objective: str | None = None
+    recompute_seconds: float | None = None
+    choices: tuple[Choice, ...] = ()
+    selective: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
+    fingerprint: str | None = None
+    structure: tuple[str, ...] = field(default=(), repr=False)
+    tree: Node | None = field(default=None, repr=False, compare=False)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Wrap the plan's modules of ``model`` in place (claim 4) and return ``model``.
+
+        Raises:
+            ValueError: ``model``'s module structure is not the one the plan was made for
+                (the message names the modules that no longer exist), or see
+                :func:`autoremat.wrap.apply`. The model is unchanged when it raises.
+        """
+        self.check(model)
+        return wrap.apply(model, self.modules, selective=self.selective)
+
+    def check(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` unless ``model`` has the module structure the plan was made
+        for (same :func:`fingerprint`); the message names the modules that no longer exist
+        and the ones that are new."""
+        if self.fingerprint is None or fingerprint(model) == self.fingerprint:
+            return
+        detail = self._differences(structure(model))
+        other = type(model).__name__
+        if other != self.model_class:
+            raise ValueError(
+                f"this plan was made for a {self.model_class}, not a {other}: "
+                f"{'; '.join(detail[:1])}. Make a plan from this model "
+                f"(autoremat.plan(model, ...))"
+            )
+        raise ValueError(
+            f"this plan was made for a {self.model_class} with another module structure "
+            f"(fingerprint {self.fingerprint}, the model's is {fingerprint(model)}): "
+            f"{'; '.join(detail) or 'the structure differs'}. Make a new plan from this model "
+            f"(autoremat.plan(model, ...))"
+        )
+
+    def _differences(self, now: tuple[str, ...]) -> list[str]:
+        have = {line.split(" ", 1)[0] for line in now}
+        wanted = {e for m in self.modules for e in covered(m)}
+        missing = sorted(p for p in wanted if p not in have)
+        gone = sorted(set(self.structure) - set(now))
+        new = sorted(set(now) - set(self.structure))
+
+        def names(lines: list[str]) -> str:
+            shown = ", ".join(repr(x if x[:1] != " " else "(root)" + x) for x in lines[:5])
+            return shown + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
+
+        detail = []
+        if missing:
+            detail.append(f"the plan's modules {names(missing)} no longer exist")
+        if gone:
+            detail.append(f"modules no longer there: {names(gone)}")
+        if new:
+            detail.append(f"new modules: {names(new)}")
+        return detail
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON data (what :meth:`save` writes; no tree)."""
+        return {
+            "format": FORMAT,
+            "model_class": self.model_class,
+            "fingerprint": self.fingerprint,
+            "strategy": self.strategy,
+            "modules": list(self.modules),
+            "segments": self.segments,
+            "budget": self.budget,
+            "estimated_peak": self.estimated_peak,
+            "baseline_peak": self.baseline_peak,
+            "recompute_flops": self.recompute_flops,
+            "objective": self.objective,
+            "recompute_seconds": self.recompute_seconds,
+            "choices": [
+                {"path": c.path, "freed": c.freed, "flops": c.flops, "way": c.way}
+                | {"seconds": c.seconds}
+                for c in self.choices
+            ],
+            "selective": {path: list(ops) for path, ops in self.selective.items()},
+            "structure": list(self.structure),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        """The plan :meth:`to_dict` gave. Raises ``ValueError`` naming the field that is
+        missing or of the wrong type."""
+        from autoremat.plan_json import plan_from_dict
+
+        return plan_from_dict(data)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan to ``path`` as indented JSON (see :meth:`to_dict`)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan :meth:`save` wrote. :meth:`apply` then refuses a model whose module
+        structure changed since the plan was made.
+
+        Raises:
+            ValueError: the file is not JSON, or not a plan of this format (the message names
+                the field).
+        """
+        from autoremat.plan_json import plan_from_dict
+
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{os.fspath(path)!r} is not a saved plan: not JSON ({e})") from None
+        return plan_from_dict(data, where=repr(os.fspath(path)))
+
+    def table(self) -> str:
+        """The chosen entries with what each frees and adds, and the predicted peak."""
+        if self.strategy != "budget":
+            return "\n".join(f"  {p or '(root)'}" for p in self.modules)
+        width = max([len(c.path or "(root)") for c in self.choices] + [6])
+        rows = [
+            f"  {'module':{width}}  {'how':13}  {'frees':>10}  {'adds GFLOP':>10}  {'adds ms':>8}"
+        ]
+        rows += [
+            f"  {c.path or '(root)':{width}}  {c.way:13}  {format_size(c.freed):>10}  "
+            f"{c.flops / 1e9:>10.3f}  " + ("" if c.seconds is None else f"{c.seconds * 1e3:>8.1f}")
+            for c in self.choices
+        ]
+        rows.append(self._figures())
+        for way in dict.fromkeys(c.way for c in self.choices if c.way != FULL):
+            ops = next((self.selective[c.path] for c in self.choices if c.way == way), WAYS[way])
+            rows.append(f"{way} keeps the outputs of: {', '.join(ops)}")
+        return "\n".join(rows)
+
+    def _figures(self) -> str:
+        """The predicted peak against the budget and the baseline, and what recompute adds;
+        ``?`` for a figure the plan does not have."""
+
+        def size(x: int | None) -> str:
+            return "?" if x is None else format_size(x)
+
+        share = (
+            f", {self.estimated_peak / self.baseline_peak:.0%}"
+            if self.estimated_peak is not None and self.baseline_peak
+            else ""
+        )
+        flops = "?" if self.recompute_flops is None else f"{self.recompute_flops / 1e9:.3f}"
+        line = (
+            f"predicted peak {size(self.estimated_peak)} (budget {size(self.budget)}, "
+            f"no recompute {size(self.baseline_peak)}{share}), recompute adds {flops} GFLOP"
+        )
+        if self.recompute_seconds is not None:
+            line += f" and {self.recompute_seconds * 1e3:.1f} ms (as profiled)"
+        return line + ("" if self.objective is None else f"; minimised {self.objective}")
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        if self.tree is not None:
+            lines += ["", self.tree.render(marked=frozenset(self.modules))]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """The header and :meth:`table`, without the tree."""
+        how = {
+            "levels": f"levels, segments={self.segments}",
+            "budget": f"budget {format_size(self.budget)}" if self.budget else "budget",
+        }.get(self.strategy, self.strategy)
+        count = len(self.modules)
+        head = f"Plan for {self.model_class} ({how}): recompute {count} module{'s' * (count != 1)}"
+        lines = [head, self.table()] if self.modules or self.strategy == "budget" else [head]
+        return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""One training step, as every part of autoremat runs it: forward, loss, backward.
+
+:func:`train_step` is the step that :func:`autoremat.measure` measures, :func:`autoremat.profile`
+records and the comparison harness times: every ``.grad`` set to ``None`` first (as after
+``optimizer.zero_grad(set_to_none=True)``), then ``loss_fn(model(*args, **kwargs)).backward()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoremat.nested import iter_tensors, run_model
+
+__all__ = ["LossFn", "check_loss", "default_loss", "leaf_inputs", "train_step"]
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss of a model output.
+
+    The output's ``loss`` (a key of a mapping, or an attribute, as on a Hugging Face
+    ``ModelOutput``) when there is one and it is a tensor, returned as it is; otherwise the sum
+    of every floating-point tensor found in the output (nested tuples, lists, dicts,
+    dataclasses; see :func:`autoremat.nested.iter_tensors`), each summed with ``.sum()`` into a
+    float32 scalar and added, as a float32 scalar.
+
+    Raises:
+        ValueError: the output holds no floating-point tensor.
+    """
+    loss = None
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and not isinstance(output, torch.Tensor):
+        loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    total: torch.Tensor | None = None
+    for _, t in iter_tensors(output):
+        if t.is_floating_point():
+            part = t.sum(dtype=torch.float32)
+            total = part if total is None else total + part
+    if total is None:
+        raise ValueError(
+            f"default_loss found no floating-point tensor in the model output "
+            f"({type(output).__name__}); pass loss_fn=... that turns the output into a scalar"
+        )
+    return total
+
+
+def check_loss(loss: Any) -> torch.Tensor:
+    """``loss`` if backward can start from it; else a ``ValueError`` that says how to fix
+    ``loss_fn``."""
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            f"loss_fn returned {type(loss).__name__}, not a tensor; return a scalar tensor "
+            f"computed from the model output (e.g. lambda out: out.sum())"
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; backward needs a single "
+            f"number: reduce it (e.g. .sum() or .mean()) in loss_fn"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not require grad: no parameter or input it depends on requires grad "
+            "(all frozen? the model run under torch.no_grad or with detached outputs?), so there "
+            "is no backward pass to measure"
+        )
+    return loss
+
+
+def leaf_inputs(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """Input tensors that backward would give a ``.grad``: leaves that require grad."""
+    found = {id(t): t for _, t in iter_tensors((args, kwargs)) if t.requires_grad and t.is_leaf}
+    return list(found.values())
+
+
+def train_step(
+    model: nn.Module,
+    args: Any,
+    kwargs: dict[str, Any] | None,
+    loss_fn: LossFn | None = None,
+    *,
+    after_forward: Callable[[], Any] | None = None,
+) -> torch.Tensor:
+    """One training step from ``.grad = None`` (parameters, and input tensors that are leaves
+    requiring grad): forward, ``loss_fn`` (:func:`default_loss` when None), backward, with
+    gradients enabled whatever the caller's mode. ``after_forward`` runs between the loss and
+    backward. Returns the loss, detached.
+
+    Raises:
+        ValueError: the loss is not a scalar tensor that requires grad (:func:`check_loss`).
+    """
+    for t in [*model.parameters(), *leaf_inputs(args, kwargs)]:
+        t.grad = None
+    with torch.enable_grad():
+        output = run_model(model, args, kwargs)
+        loss = check_loss((loss_fn or default_loss)(output))
+        if after_forward is not None:
+            after_forward()
+        loss.backward()
+    return loss.detach()
