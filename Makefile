@@ -1,23 +1,30 @@
 # Quick start: `make demo` runs the main job, `make test` runs the tests.
-# Both create .venv and install the pinned dependencies on first use.
+# Both create .venv and install the pinned dependencies on first use (about a minute).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
+	@echo "Creating $(VENV) and installing autoremat with its pinned dev dependencies..."
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --progress-bar on -e '.[dev]' | grep -E '^(Collecting|Successfully)' || true
+	$(BIN)/python -c "import autoremat, torch, transformers, mypy"
 	touch $(STAMP)
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint typecheck bench
 setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/autoremat demo gpt2
 
-test: $(STAMP)
+lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

@@ -807,3 +807,22 @@ def test_siblings_of_a_module_called_twice_stay_candidates():
     assert autoremat.measure(wrapped, args).peak <= plan.budget
     assert any("mlp" in p for p in plan.modules), plan.modules
     assert_same_step(copy.deepcopy(model), wrapped, args, {})
+
+
+def test_lowest_budget_is_the_one_the_infeasible_error_states_and_it_plans():
+    """``autoremat.lowest_budget`` gives the lowest reachable budget as a number (no parsing of
+    error text): the same figure ``BudgetTooLow`` carries; a plan at it succeeds and holds it,
+    and one a little below it is refused."""
+    model, args, kwargs = EXAMPLES["cnn"]()
+    lowest = autoremat.lowest_budget(model, args, kwargs, objective="flops")
+    with pytest.raises(autoremat.BudgetTooLow) as info:
+        autoremat.plan(model, args, kwargs, budget=1, objective="flops")
+    assert isinstance(info.value, ValueError)
+    assert info.value.lowest == lowest and f"Try budget={lowest}" in str(info.value)
+    assert 0 < lowest < info.value.baseline
+    chosen = autoremat.plan(model, args, kwargs, budget=lowest, objective="flops")
+    assert chosen.estimated_peak is not None and chosen.estimated_peak <= lowest
+    with pytest.raises(autoremat.BudgetTooLow):
+        autoremat.plan(model, args, kwargs, budget=int(lowest * 0.97), objective="flops")
+    with pytest.raises(ValueError, match="objective must be one of"):
+        autoremat.lowest_budget(model, args, kwargs, objective="speed")

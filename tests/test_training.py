@@ -418,10 +418,7 @@ def test_encoder_decoder_with_the_cache_hook_removed_fails_clearly(name):
     saved", the input check did not look deep enough to reach the cache's tensors)."""
     model, kwargs, labels = _seq2seq(name)
     autoremat.plan(model, (), kwargs, segments=3).apply(model)
-    for module in model.modules():  # the top model's hook, and the stacks'
-        hook = autoremat.huggingface._cache_hooks.pop(module, None)
-        if hook is not None:
-            hook.remove()
+    autoremat.huggingface.remove_cache_hooks(model)  # the top model's hook, and the stacks'
     loss = F.cross_entropy(model(**kwargs).logits.flatten(0, 1), labels.flatten())
     with pytest.raises(CheckpointError, match=r"decoder\.(block|layers)\.2'.*\['cache'\]"):
         loss.backward()

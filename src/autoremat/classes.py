@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from torch import nn
 
+_FSDP_MODULE: type | None
 try:
-    from torch.distributed.fsdp import FSDPModule as _FSDP_MODULE
+    from torch.distributed.fsdp import FSDPModule
+
+    _FSDP_MODULE = FSDPModule
 except ImportError:  # torch built without distributed support
     _FSDP_MODULE = None
 

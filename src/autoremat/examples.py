@@ -16,6 +16,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = [
+    "EXAMPLES",
+    "MLP",
+    "Block",
+    "CausalSelfAttention",
+    "ConvNet",
+    "Example",
+    "TinyGPT",
+    "UNet",
+    "cnn",
+    "conv_bn",
+    "gpt2",
+    "hf_bert",
+    "hf_gpt2",
+    "hf_llama",
+    "hf_vit",
+    "llama_on_meta",
+    "mlp",
+    "require_transformers",
+    "seeded",
+    "unet",
+]
+
 Example = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 
 
@@ -158,7 +181,10 @@ class UNet(nn.Module):
         return self.out(x)
 
 
-def _seeded(build: Callable[[], Example]) -> Callable[[], Example]:
+def seeded(build: Callable[[], Example]) -> Callable[[], Example]:
+    """``build`` made reproducible: it runs with the global RNG seeded at 0 (and put back
+    after), and returns the model in training mode."""
+
     def factory() -> Example:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -170,7 +196,7 @@ def _seeded(build: Callable[[], Example]) -> Callable[[], Example]:
     return factory
 
 
-@_seeded
+@seeded
 def gpt2() -> Example:
     """GPT-2-like decoder (plain PyTorch): 4 blocks, width 128, batch 8 x 128 tokens."""
     model = TinyGPT()
@@ -178,19 +204,19 @@ def gpt2() -> Example:
     return model, (idx,), {"targets": torch.roll(idx, -1, dims=1)}
 
 
-@_seeded
+@seeded
 def cnn() -> Example:
     """VGG-style CNN with BatchNorm and dropout: 3 stages, batch 16 x 3 x 64 x 64."""
     return ConvNet(), (torch.randn(16, 3, 64, 64),), {}
 
 
-@_seeded
+@seeded
 def unet() -> Example:
     """UNet-like model with skip connections, BatchNorm and dropout: batch 4 x 3 x 64 x 64."""
     return UNet(), (torch.randn(4, 3, 64, 64),), {}
 
 
-@_seeded
+@seeded
 def mlp() -> Example:
     """Deep MLP chain (nn.Sequential of 16 Linear+GELU layers, width 256), batch 2048."""
     layers: list[nn.Module] = []
@@ -199,7 +225,7 @@ def mlp() -> Example:
     return nn.Sequential(*layers), (torch.randn(2048, 256),), {}
 
 
-def _transformers() -> Any:
+def require_transformers() -> Any:
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -210,19 +236,19 @@ def _transformers() -> Any:
     return transformers
 
 
-@_seeded
+@seeded
 def hf_gpt2() -> Example:
     """Hugging Face GPT2LMHeadModel, 4 layers, width 128, batch 4 x 128, labels given."""
-    t = _transformers()
+    t = require_transformers()
     config = t.GPT2Config(n_layer=4, n_embd=128, n_head=4, n_positions=256, vocab_size=1000)
     ids = torch.randint(0, 1000, (4, 128))
     return t.GPT2LMHeadModel(config), (), {"input_ids": ids, "labels": ids}
 
 
-@_seeded
+@seeded
 def hf_bert() -> Example:
     """Hugging Face BertForSequenceClassification, 4 layers, width 128, batch 4 x 128."""
-    t = _transformers()
+    t = require_transformers()
     config = t.BertConfig(
         num_hidden_layers=4,
         hidden_size=128,
@@ -240,10 +266,10 @@ def hf_bert() -> Example:
     return t.BertForSequenceClassification(config), (), kwargs
 
 
-@_seeded
+@seeded
 def hf_llama() -> Example:
     """Hugging Face LlamaForCausalLM, 4 layers, width 128, GQA 4/2 heads, batch 4 x 128."""
-    t = _transformers()
+    t = require_transformers()
     config = t.LlamaConfig(
         num_hidden_layers=4,
         hidden_size=128,
@@ -258,10 +284,10 @@ def hf_llama() -> Example:
     return t.LlamaForCausalLM(config), (), {"input_ids": ids, "labels": ids}
 
 
-@_seeded
+@seeded
 def hf_vit() -> Example:
     """Hugging Face ViTForImageClassification, 4 layers, width 128, 64x64 images, batch 8."""
-    t = _transformers()
+    t = require_transformers()
     config = t.ViTConfig(
         num_hidden_layers=4,
         hidden_size=128,
@@ -288,7 +314,7 @@ def llama_on_meta(
     """A Hugging Face LlamaForCausalLM built on the ``meta`` device (no memory), Llama-2-7B's
     shape by default, with meta ``input_ids`` and ``labels``: for profiling and planning big
     models without their memory. Not in :data:`EXAMPLES`, since nothing on meta can train."""
-    t = _transformers()
+    t = require_transformers()
     config = t.LlamaConfig(
         num_hidden_layers=layers,
         hidden_size=width,
@@ -314,3 +340,7 @@ EXAMPLES: dict[str, Callable[[], Example]] = {
     "hf-llama": hf_llama,
     "hf-vit": hf_vit,
 }
+
+# the names these had before they were public (benchmark scripts of earlier versions)
+_seeded = seeded
+_transformers = require_transformers

@@ -11,7 +11,7 @@ from torch import nn
 from autoremat.costs import profile
 from autoremat.plans import Plan, fingerprint, structure
 from autoremat.step import LossFn
-from autoremat.strategies import STRATEGIES, Options, Strategy
+from autoremat.strategies import STRATEGIES, Request, Strategy
 from autoremat.strategies import budget as budget_strategy
 from autoremat.strategies.levels import DEFAULT_SEGMENTS
 from autoremat.tree import Node, build_tree
@@ -70,28 +70,28 @@ def plan(
         )
     if budget is None and segments is None:
         segments = DEFAULT_SEGMENTS
-    options = Options(type(model).__name__, segments, budget, loss_fn, selective, objective)
+    request = Request(type(model).__name__, segments, budget, loss_fn, selective, objective)
     strategy = STRATEGIES["budget" if budget is not None else "segments"]
-    strategy.check(options)
-    evidence, tree = _evidence(strategy, model, args, kwargs, options)
+    request = strategy.check(request)
+    evidence, tree = _evidence(strategy, model, args, kwargs, request)
     return Plan(
         strategy=strategy.name,
         model_class=type(model).__name__,
         fingerprint=fingerprint(model),
         structure=structure(model),
         tree=tree,
-        **strategy.choose(evidence, options),
+        **strategy.choose(evidence, request),
     )
 
 
 def _evidence(
-    strategy: Strategy, model: nn.Module, args: Any, kwargs: Any, options: Options
+    strategy: Strategy, model: nn.Module, args: Any, kwargs: Any, request: Request
 ) -> tuple[Any, Node]:
     """What ``strategy`` needs of the model (its tree, or a profile), and the tree."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if strategy.needs == "profile":
-        prof = profile(model, args, kwargs, loss_fn=options.loss_fn)
+        prof = profile(model, args, kwargs, loss_fn=request.loss_fn)
         _require_submodules(model, prof.tree)
         return prof, prof.tree
     tree = build_tree(model, args, kwargs)
@@ -123,7 +123,7 @@ def lowest_budget(
     Raises:
         ValueError: no submodule ran, or ``objective`` is unknown; see :func:`plan`.
     """
-    options = Options(type(model).__name__, None, 1, loss_fn, selective, objective)
-    budget_strategy.STRATEGY.check(options)
-    prof, _ = _evidence(budget_strategy.STRATEGY, model, args, kwargs, options)
-    return budget_strategy.lowest(prof, options)
+    request = Request(type(model).__name__, None, 1, loss_fn, selective, objective)
+    request = budget_strategy.STRATEGY.check(request)
+    prof, _ = _evidence(budget_strategy.STRATEGY, model, args, kwargs, request)
+    return budget_strategy.lowest(prof, request)

@@ -154,17 +154,22 @@ def context_fn(save_ops: Sequence[str]) -> Any:
 
     def contexts() -> tuple[Any, Any]:
         forward, recompute = create_selective_checkpoint_contexts(policy)
-        recompute.__class__ = _emptying(type(recompute))
+        mode = type(recompute)
+        if mode not in _emptying_classes:
+            _emptying_classes[mode] = _emptying(mode)
+        recompute.__class__ = _emptying_classes[mode]
         return forward, recompute
 
     return contexts
 
 
-@functools.cache
-def _emptying(mode: type) -> type:
+_emptying_classes: dict[type, type] = {}
+
+
+def _emptying(mode: Any) -> type:
     """``mode`` (selective checkpointing's recompute mode) whose cache is emptied on exit."""
 
-    class Emptying(mode):  # type: ignore[misc, valid-type]
+    class Emptying(mode):
         def __exit__(self, *exc: Any) -> Any:
             try:
                 return super().__exit__(*exc)

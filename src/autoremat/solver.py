@@ -315,7 +315,7 @@ class _Solver:
             if freed > 0:
                 runs.setdefault(i, []).append((j, item.run_item(i, j, freed, flops, peak)))
         # arriving[k]: states that have passed children 0..k-1 (k = len(kids): all of them)
-        arriving: list[list[list[_State]]] = [[] for _ in kids] + [[]]
+        arriving: list[list[list[_State]]] = [[] for _ in range(len(kids) + 1)]
         arriving[0] = [states]
         cursor = item.start
         for k, child in enumerate(kids):

@@ -90,7 +90,7 @@ class CheckpointedRuns(Wrapped):
     forwards in turn. The other children run as usual."""
 
     def forward(self, input: Any) -> Any:
-        children = list(self._modules.values())
+        children = [m for m in self._modules.values() if m is not None]
         if not torch.is_grad_enabled():
             return type(self)._autoremat_base.forward(self, input)
         runs = dict(self.__dict__[_RUNS_ATTR])
@@ -230,14 +230,19 @@ def _state_signature(
     ]
 
 
-@functools.cache
-def _wrapped_class(mixin: type[Wrapped], base: type[nn.Module]) -> type[nn.Module]:
-    """``Checkpointed<Base>`` (or ``CheckpointedRuns<Base>``): a wrapped module's class."""
-    return type(
-        f"{mixin.__name__}{base.__name__}",
-        (mixin, base),
-        {BASE_ATTR: base, "__module__": __name__},
-    )
+_classes: dict[tuple[type, type], type] = {}
+
+
+def _wrapped_class(mixin: type, base: type) -> type:
+    """``Checkpointed<Base>`` (or ``CheckpointedRuns<Base>``): a wrapped module's class, made
+    once per pair."""
+    if (mixin, base) not in _classes:
+        _classes[mixin, base] = type(
+            f"{mixin.__name__}{base.__name__}",
+            (mixin, base),
+            {BASE_ATTR: base, "__module__": __name__},
+        )
+    return _classes[mixin, base]
 
 
 def wrapped_paths(model: nn.Module) -> tuple[str, ...]:
@@ -382,7 +387,8 @@ def _runs_by_parent(
             continue
         parent, i, j = run
         seq = modules[parent]
-        if type(seq).forward is not nn.Sequential.forward or not (0 <= i < j <= len(seq)):
+        count = len(seq._modules)
+        if type(seq).forward is not nn.Sequential.forward or not (0 <= i < j <= count):
             raise ValueError(
                 f"plan entry {e!r} needs a plain nn.Sequential at {parent or '(root)'!r} with "
                 f"children {i}..{j - 1}; {type(seq).__name__} is not one"

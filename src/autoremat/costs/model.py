@@ -200,7 +200,7 @@ def _chained_children(node: Node, line: Timeline) -> bool:
     return (
         type(node.module).forward is nn.Sequential.forward
         and len(kids) >= 2
-        and [c.module for c in kids] == list(node.module)
+        and [c.module for c in kids] == list(node.module._modules.values())
         and all(c.calls == 1 and c.path in line.events for c in kids)
     )
 

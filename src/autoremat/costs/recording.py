@@ -101,7 +101,7 @@ class OpCosts(TorchDispatchMode):
         self.current: dict[int, int] = {}
         self.ids = itertools.count()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not self.counting:
@@ -211,7 +211,8 @@ class _Recorder:
         self.stack.pop()
         self.mark("end", path)
         self.progress.step()
-        self.rec.output_keys[path].update(storage_key(t) for _, t in iter_tensors(out))
+        keys = (storage_key(t) for _, t in iter_tensors(out))
+        self.rec.output_keys[path].update(k for k in keys if k is not None)
         needs_grad = [t for _, t in iter_tensors(out) if t.requires_grad]
         if needs_grad:
             self.grad_hooks.append(

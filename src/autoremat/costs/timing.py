@@ -39,7 +39,7 @@ class OpTimes(TorchDispatchMode):
         self.stack, self.seconds, self.sync = stack, seconds, sync
         self.keep = {way: resolve(ops) for way, ops in WAYS.items()}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.sync()
         begin = time.perf_counter()

@@ -2,8 +2,9 @@
 
 A :class:`Strategy` names itself (as :attr:`autoremat.Plan.strategy` and the JSON do), the
 keyword of :func:`autoremat.plan` that selects it, what it needs of the model (the module tree,
-or a profile of one training step), a check of its options that runs before the model does,
-and ``choose``: a function from that evidence and the options to the plan's fields. ``choose``
+or a profile of one training step), a check of its request that runs before the model does
+(and returns the request with its keywords parsed),
+and ``choose``: a function from that evidence and the request to the plan's fields. ``choose``
 is pure planning: it reads, it does not run the model or wrap anything (the planner does).
 
 Adding a strategy is one file in this package that defines a ``STRATEGY`` and one line in
@@ -16,19 +17,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from autoremat.sizes import Budget
 from autoremat.step import LossFn
 
-__all__ = ["STRATEGIES", "Options", "Strategy"]
+__all__ = ["STRATEGIES", "Request", "Strategy"]
 
 
 @dataclass(frozen=True)
-class Options:
-    """What :func:`autoremat.plan` was asked, for every strategy: ``model_name`` (the model's
-    class name, for messages), and each strategy's keywords."""
+class Request:
+    """What :func:`autoremat.plan` was asked, the same for every strategy: ``model_name``
+    (the model's class name, for messages), and each strategy's keywords."""
 
     model_name: str
     segments: int | None = None
-    budget: int | float | str | None = None
+    budget: int | float | str | Budget | None = None
     loss_fn: LossFn | None = None
     selective: bool = True
     objective: str = "time"
@@ -36,14 +38,14 @@ class Options:
 
 @dataclass(frozen=True)
 class Strategy:
-    """One way to choose a plan (see the package docstring). ``choose(evidence, options)``
+    """One way to choose a plan (see the package docstring). ``choose(evidence, request)``
     returns keyword arguments for :class:`autoremat.Plan` (at least ``modules``)."""
 
     name: str
     keyword: str
     needs: Literal["tree", "profile"]
-    check: Callable[[Options], None]
-    choose: Callable[[Any, Options], dict[str, Any]]
+    check: Callable[[Request], Request]
+    choose: Callable[[Any, Request], dict[str, Any]]
 
 
 def _registry() -> dict[str, Strategy]:

@@ -9,6 +9,7 @@ a fraction of the no-recompute peak, a percentage or a size string
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -16,9 +17,9 @@ from autoremat.costs import Profile
 from autoremat.planning_tree import planning_tree, recompute_seconds
 from autoremat.plans import Choice
 from autoremat.selective import WAYS
-from autoremat.sizes import format_size, parse_budget
+from autoremat.sizes import Budget, format_size
 from autoremat.solver import Infeasible, Item, min_peak, predict_peak, solve
-from autoremat.strategies import Options, Strategy
+from autoremat.strategies import Request, Strategy
 
 __all__ = ["HEADROOM", "NEAR_LOWEST", "OBJECTIVES", "STRATEGY", "BudgetTooLow", "lowest"]
 
@@ -42,28 +43,32 @@ class BudgetTooLow(ValueError):
         self.lowest, self.baseline = lowest, baseline
 
 
-def _check(options: Options) -> None:
-    parse_budget(options.budget, 1)  # malformed budgets fail before the model runs
-    if options.objective not in OBJECTIVES:
+def _check(request: Request) -> Request:
+    """The request with its budget parsed (malformed budgets fail before the model runs)."""
+    budget = request.budget
+    parsed = budget if isinstance(budget, Budget) else Budget.parse(budget)
+    if request.objective not in OBJECTIVES:
         raise ValueError(
             f"objective must be one of {', '.join(map(repr, OBJECTIVES))}, "
-            f"got {options.objective!r}"
+            f"got {request.objective!r}"
         )
+    return dataclasses.replace(request, budget=parsed)
 
 
-def lowest(prof: Profile, options: Options, root: Item | None = None) -> int:
+def lowest(prof: Profile, request: Request, root: Item | None = None) -> int:
     """The lowest budget, in bytes, that a plan for ``prof`` meets (headroom included)."""
     if root is None:
-        root = planning_tree(prof, options.selective, None, options.objective)
+        root = planning_tree(prof, request.selective, None, request.objective)
     return min_peak(root, prof.backward_points, prof.forward_points) + HEADROOM
 
 
-def _choose(prof: Profile, options: Options) -> dict[str, Any]:
-    limit = parse_budget(options.budget, prof.peak)
+def _choose(prof: Profile, request: Request) -> dict[str, Any]:
+    assert isinstance(request.budget, Budget), "checked first (Strategy.check)"
+    limit = request.budget.resolve(prof.peak)
     skipped: dict[str, str] = {}
-    root = planning_tree(prof, options.selective, skipped, options.objective)
-    _log_skipped(skipped, options.model_name)
-    chosen = [] if limit >= prof.peak else _solve(prof, root, limit, options)
+    root = planning_tree(prof, request.selective, skipped, request.objective)
+    _log_skipped(skipped, request.model_name)
+    chosen = [] if limit >= prof.peak else _solve(prof, root, limit, request)
     seconds = {i.path: recompute_seconds(prof, i) for i in chosen}
     return {
         "modules": tuple(i.path for i in chosen),
@@ -71,22 +76,23 @@ def _choose(prof: Profile, options: Options) -> dict[str, Any]:
         "estimated_peak": predict_peak(prof.backward_points, chosen, prof.forward_points),
         "baseline_peak": prof.peak,
         "recompute_flops": sum(i.flops for i in chosen),
-        "objective": options.objective,
+        "objective": request.objective,
         "recompute_seconds": sum(seconds.values()),
         "choices": tuple(Choice(i.path, i.freed, i.flops, i.way, seconds[i.path]) for i in chosen),
         "selective": {i.path: WAYS[i.way] for i in chosen if i.way in WAYS},
     }
 
 
-def _solve(prof: Profile, root: Item, limit: int, options: Options) -> list[Item]:
+def _solve(prof: Profile, root: Item, limit: int, request: Request) -> list[Item]:
     forward, after = prof.forward_points, prof.backward_points
     try:
         chosen = solve(root, after, limit - HEADROOM, forward)
     except Infeasible:
-        least = lowest(prof, options, root)
+        least = lowest(prof, request, root)
+        given = request.budget.given if isinstance(request.budget, Budget) else request.budget
         raise BudgetTooLow(
-            f"budget {format_size(limit)} ({options.budget!r}) is below the lowest peak that "
-            f"recomputing modules of {options.model_name} reaches, {format_size(least)} "
+            f"budget {format_size(limit)} ({given!r}) is below the lowest peak that "
+            f"recomputing modules of {request.model_name} reaches, {format_size(least)} "
             f"({least / prof.peak:.0%} of the {format_size(prof.peak)} peak without "
             f"recompute; about {least} bytes). Try budget={least}, a smaller batch, or "
             f"mixed precision.",
@@ -103,7 +109,7 @@ def _solve(prof: Profile, root: Item, limit: int, options: Options) -> list[Item
                 "slightly larger budget may cost much less",
                 format_size(limit),
                 NEAR_LOWEST * 100,
-                options.model_name,
+                request.model_name,
                 len(chosen),
                 sum(i.flops for i in chosen) / 1e9,
             )

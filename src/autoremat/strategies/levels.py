@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoremat.strategies import Options, Strategy
+from autoremat.strategies import Request, Strategy
 from autoremat.tree import Node
 
 __all__ = ["DEFAULT_SEGMENTS", "STRATEGY", "choose_levels"]
@@ -61,18 +61,19 @@ def choose_levels(root: Node, segments: int) -> list[Node]:
     return scheme
 
 
-def _check(options: Options) -> None:
-    segments = options.segments
+def _check(request: Request) -> Request:
+    segments = request.segments
     if isinstance(segments, bool) or not isinstance(segments, int):
         raise TypeError(f"segments must be an int, got {type(segments).__name__}")
     if segments < 0:
         raise ValueError(f"segments must be >= 0, got {segments}; try segments=3")
+    return request
 
 
-def _choose(tree: Node, options: Options) -> dict[str, Any]:
-    assert options.segments is not None
-    chosen = choose_levels(tree, options.segments)
-    return {"modules": tuple(n.path for n in chosen), "segments": options.segments}
+def _choose(tree: Node, request: Request) -> dict[str, Any]:
+    assert request.segments is not None
+    chosen = choose_levels(tree, request.segments)
+    return {"modules": tuple(n.path for n in chosen), "segments": request.segments}
 
 
 STRATEGY = Strategy(name="levels", keyword="segments", needs="tree", check=_check, choose=_choose)
