@@ -6,7 +6,7 @@
 The zoo's GPT-2-like (``gpt2``, ``gpt-torch``), Llama-like (``llama``) and ViT-like (``vit``)
 models have 4 layers. Here each is rebuilt with ``--layers`` layers (default 4, 8 and 12; width,
 heads, batch and sequence as in the zoo) and planned at a 50% budget three ways, side by side
-in one :func:`autoremat.bench.compare` per model and depth:
+in one :func:`autoremat.comparison.compare` per model and depth:
 
 * ``budget 50% (module)``: module-level recompute only, minimising FLOPs;
 * ``budget 50% (flops)``: selective recompute allowed, minimising FLOPs;
@@ -34,9 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run
-from autoremat import bench
-from autoremat.bench import compare, no_recompute
-from autoremat.examples import TinyGPT, _seeded
+from autoremat.comparison import Strategy, budget, compare, no_recompute
+from autoremat.examples import TinyGPT, seeded
 from zoo import SEQ, VOCAB, ZOO
 
 MODELS = ("gpt2", "gpt-torch", "llama", "vit")
@@ -53,7 +52,7 @@ def deeper(name: str, layers: int) -> Any:
     model, args, kwargs = ZOO[name]()
     if name == "gpt-torch":
 
-        @_seeded
+        @seeded
         def build() -> Any:
             model = TinyGPT(vocab=VOCAB, width=256, layers=layers, heads=4, context=SEQ)
             return model, args, kwargs
@@ -62,7 +61,7 @@ def deeper(name: str, layers: int) -> Any:
     config = model.config
     config.__setattr__("n_layer" if name == "gpt2" else "num_hidden_layers", layers)
 
-    @_seeded
+    @seeded
     def rebuild() -> Any:
         return type(model)(config), args, kwargs
 
@@ -82,24 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in ns.models.split(","):
         for layers in (int(x) for x in ns.layers.split(",")):
             model, args, kwargs = deeper(name, layers)
-            plans: dict[str, Any] = {}
             strategies = [no_recompute()]
             for selective, objective, label in PLANS:
-                inner = bench.budget(0.5, selective=selective, objective=objective)
-
-                def apply(
-                    m: Any, a: Any, k: Any, inner: Any = inner, label: str = label, plans=plans
-                ) -> Any:
-                    applied = inner.apply(m, a, k)
-                    plans[label] = bench._PLANS[applied]
-                    return applied
-
-                strategies.append(bench.Strategy(label, apply))
+                # named as in the tables ("budget 50% (module)", not "... (module) (flops)")
+                inner = budget(0.5, selective=selective, objective=objective)
+                strategies.append(Strategy(label, inner.apply))
             print(f"{name} x{layers}", file=sys.stderr, flush=True)
             measured = compare(model, args, kwargs, strategies, repeats=ns.repeats, name=name)
             base = measured[0]
             for r in measured[1:]:
-                p = plans.get(r.strategy)
+                p = r.plan  # the plan applied (None when the strategy failed)
                 rows.append(
                     {
                         "model": name,

@@ -12,9 +12,9 @@ batch 8 x 512), the plain-PyTorch TinyGPT (6 layers, width 768, explicit attenti
 pairs, batch 16384) and a BatchNorm CNN (3 stages of 64-256 channels, batch 32 x 128 x 128); all
 with dropout where the architecture has it.
 
-Strategies, run by :func:`autoremat.bench.compare` on the same inputs: no recompute, every block,
-sqrt(n) segments (chains only), autoremat levels at segments 1, 4, 16 (identical plans kept
-once), and autoremat budget plans at 75%, 50% and the lowest feasible budget. On CUDA the
+Strategies, run by :func:`autoremat.comparison.compare` on the same inputs: no recompute, every
+block, sqrt(n) segments (chains only), autoremat levels at segments 1, 4, 16 (identical plans
+kept once), and autoremat budget plans at 75%, 50% and the lowest feasible budget. On CUDA the
 ``peak`` of :func:`autoremat.measure` is ``torch.cuda.max_memory_allocated`` over the step;
 the budget planner's estimate comes from its storage-byte profile. Writes ``results_cuda.md``,
 ``results_cuda.csv`` to ``--out`` after each model, so a run stopped early keeps what it
@@ -37,25 +37,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from autoremat.measure import default_loss
 from torch import nn
 
-from autoremat.bench import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from autoremat.comparison import (
     Row,
     Strategy,
-    _train_step,
     budget,
     compare,
     every_block,
     levels,
     no_recompute,
-    plot,
     sqrt_segments,
-    to_csv,
     to_markdown,
 )
-from autoremat.examples import ConvNet, Example, TinyGPT, _transformers
+from autoremat.examples import ConvNet, Example, TinyGPT, require_transformers
 from autoremat.snapshot import preserved
+from autoremat.step import default_loss, train_step
+from report import plot, to_csv
 
 LEVELS = (1, 4, 16)
 BUDGETS: tuple[float | str, ...] = (0.75, 0.5, "min")
@@ -113,7 +113,7 @@ def _seeded(build: Callable[[], Example]) -> Example:
 
 
 def gpt2(s: dict[str, int]) -> Example:
-    t = _transformers()
+    t = require_transformers()
     config = t.GPT2Config(
         n_layer=s["layers"],
         n_embd=s["width"],
@@ -126,7 +126,7 @@ def gpt2(s: dict[str, int]) -> Example:
 
 
 def llama(s: dict[str, int]) -> Example:
-    t = _transformers()
+    t = require_transformers()
     config = t.LlamaConfig(
         num_hidden_layers=s["layers"],
         hidden_size=s["width"],
@@ -193,7 +193,7 @@ def warm_up(model: nn.Module, args: tuple, kwargs: dict) -> None:
     thread on its first use (the autograd engine's device thread too) and keeps it, which would
     otherwise count in the first strategy's peak. The model is left as found."""
     with preserved(model):
-        _train_step(model, args, kwargs, default_loss)
+        train_step(model, args, kwargs, default_loss)
 
 
 def describe(name: str, scale: str, model: nn.Module) -> str:
@@ -214,7 +214,7 @@ _PREDICTED = re.compile(r"predicted peak ([\d.]+) MiB \(([+-][\d.]+)%\)")
 
 def estimate(row: Row) -> tuple[str, str]:
     """The budget planner's estimated peak (MiB) and its error against the measured peak, from
-    the row's note (``autoremat.bench`` writes them there); n/a for other strategies."""
+    the row's note (``autoremat.comparison`` writes them there); n/a for other strategies."""
     found = _PREDICTED.search(row.note)
     if found is None:
         return "n/a", "n/a"

@@ -16,37 +16,25 @@ import copy
 import csv
 import logging
 import math
-import re
 import sys
 from pathlib import Path
 
 import torch
 
 import autoremat
-from autoremat.bench import from_csv, saved_by_autograd
+from autoremat.comparison import saved_by_autograd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from report import from_csv
 from zoo import ZOO
-
-
-def lowest_budget(model, args, kwargs, selective: bool = True) -> int:
-    """The lowest budget in bytes the planner meets (what its error for budget=1 byte says)."""
-    try:
-        autoremat.plan(model, args, kwargs, budget=1, selective=selective)
-    except ValueError as exc:
-        found = re.search(r"Try budget=(\d+)", str(exc))
-        if found:
-            return int(found.group(1))
-        raise
-    return 1
 
 
 def sweep(name: str, steps: int) -> list[dict[str, float | str]]:
     model, args, kwargs = ZOO[name]()
     base = autoremat.measure(model, args, kwargs)
     base_saved = saved_by_autograd(model, args, kwargs)
-    low = lowest_budget(model, args, kwargs)
+    low = autoremat.lowest_budget(model, args, kwargs)
     budgets = sorted({low, *(int(low + (base.peak - low) * k / steps) for k in range(steps + 1))})
     points = []
     for budget in budgets:

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from autoremat.bench import (
+from autoremat.comparison import (
     Row,
     Strategy,
     budget,
@@ -35,11 +35,10 @@ from autoremat.bench import (
     every_block,
     levels,
     no_recompute,
-    plot,
     sqrt_segments,
-    to_csv,
     to_markdown,
 )
+from report import plot, to_csv
 from zoo import COMPILE_DEFAULT, ZOO
 
 LEVELS = (1, 2, 4, 8, 16, 32)

@@ -16,10 +16,10 @@ Llama-like (``llama``) and ViT-like (``vit``) models, in one run, side by side:
   6; 8 take about 3 minutes more) evenly spaced from the lowest budget that variant's planner
   meets up to just below the no-recompute peak;
 * ``torch.compile`` (inductor) at ``activation_memory_budget`` 1.0, 0.5, 0.2 and 0.0
-  (:func:`autoremat.bench.compiled`; cold compiles take 20-60 s each here).
+  (:func:`autoremat.comparison.compiled`; cold compiles take 20-60 s each here).
 
-Everything of one model runs through :func:`autoremat.bench.compare` twice, in the same process:
-once for the headline (none, the two 50% plans and the compile points, ``--repeats`` timed
+Everything of one model runs through :func:`autoremat.comparison.compare` twice, in the same
+process: once for the headline (none, the two 50% plans and the compile points, ``--repeats`` timed
 steps each) and once for the sweep (none and the sweep plans, ``--sweep-repeats`` timed
 steps); each call interleaves its timed steps and gives time ratios to its own ``none``. A sweep
 plan identical to an earlier one (same modules, same selective set) is measured once; its row
@@ -65,9 +65,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run
-from autoremat import bench, wrap
-from autoremat.bench import Row, Strategy, compare, compiled, no_recompute
-from pareto import lowest_budget
+from autoremat import planner, wrap
+from autoremat.comparison import Applied, Row, Strategy, budget, compare, compiled, no_recompute
+from autoremat.plans import fingerprint
 from zoo import ZOO
 
 MODELS = ("gpt2", "gpt-torch", "llama", "vit")
@@ -93,21 +93,20 @@ _MiB = 2**20
 def profile_once() -> Iterator[None]:
     """Let every ``autoremat.plan`` call inside reuse the first profile of a model with the same
     module structure (the caller keeps to one model and one set of inputs inside)."""
-    plan_module = sys.modules["autoremat.plan"]  # ``autoremat.plan`` is the function
-    original = plan_module.profile
+    original = planner.profile  # what plan() and lowest_budget() profile with
     cache: dict[str, Any] = {}
 
     def cached(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        key = plan_module.fingerprint(model)
+        key = fingerprint(model)
         if key not in cache:
             cache[key] = original(model, *args, **kwargs)
         return cache[key]
 
-    plan_module.profile = cached
+    planner.profile = cached
     try:
         yield
     finally:
-        plan_module.profile = original
+        planner.profile = original
 
 
 @dataclass
@@ -132,24 +131,25 @@ def planned(
     points: dict[str, Point],
     objective: str = "flops",
 ) -> Strategy:
-    """:func:`autoremat.bench.budget` at ``fraction`` of ``peak`` (the profile's), named
+    """:func:`autoremat.comparison.budget` at ``fraction`` of ``peak`` (the profile's), named
     ``name``; records the plan's figures in ``points[name]``."""
-    inner = bench.budget(fraction, selective=selective, objective=objective)
+    inner = budget(fraction, selective=selective, objective=objective)
     # the budget in bytes, as autoremat.plan takes a fraction of its profile's peak
     variant = "module" if not selective else "time" if objective == "time" else "selective"
     point = Point(variant, fraction, max(1, int(fraction * peak)))
     points[name] = point
 
-    def apply(model: nn.Module, args: Any, kwargs: Any) -> nn.Module | None:
+    def apply(model: nn.Module, args: Any, kwargs: Any) -> Applied | None:
         applied = inner.apply(model, args, kwargs)
         if applied is None:
             return None
-        modules = frozenset(wrap.wrapped_paths(applied))
-        chosen = frozenset(wrap.selective_paths(applied))
-        point.predicted = bench._PREDICTED.get(applied)
+        assert isinstance(applied, Applied) and applied.plan is not None
+        modules = frozenset(wrap.wrapped_paths(applied.model))
+        chosen = frozenset(wrap.selective_paths(applied.model))
+        point.predicted = applied.predicted_peak
         point.entries, point.selective_entries = len(modules), len(chosen)
-        point.key = (modules, frozenset(wrap.selective_paths(applied).items()))
-        point.recompute_seconds = bench._PLANS[applied].recompute_seconds
+        point.key = (modules, frozenset(wrap.selective_paths(applied.model).items()))
+        point.recompute_seconds = applied.plan.recompute_seconds
         return applied
 
     return Strategy(name, apply, dedupe=True)
@@ -268,7 +268,7 @@ def run_model(
     with profile_once():
         # Budget fractions are of the profile's peak (what plan() takes them of), which need not
         # be the measured no-recompute peak to the byte.
-        peak = sys.modules["autoremat.plan"].profile(model, args, kwargs).peak
+        peak = planner.profile(model, args, kwargs).peak
         progress(f"{name}: profile peak {peak / _MiB:.2f} MiB")
         headline: dict[str, Point] = {"none": Point("none")}
         strategies = [no_recompute()]
@@ -285,7 +285,7 @@ def run_model(
         sweep: dict[str, Point] = {"none": Point("none")}
         strategies = [no_recompute()]
         for selective in (False, True):
-            low = lowest_budget(model, args, kwargs, selective)
+            low = planner.lowest_budget(model, args, kwargs, selective=selective)
             progress(
                 f"{name}: lowest budget {'selective' if selective else 'module'} "
                 f"{low / peak:.1%} of {peak / _MiB:.1f} MiB"
@@ -486,9 +486,10 @@ the step (`autoremat.measure`, eager only: a dispatch-mode tracker cannot see in
 code). `saved`: bytes kept from the forward for backward, parameters and inputs excluded:
 storages packed by `saved_tensors_hooks` (these fire for eager and compiled code alike) plus the
 outputs kept in selective checkpointing's cache, which those hooks do not see
-(`autoremat.bench.saved_by_autograd`); this is the basis on which eager plans and torch.compile
-are compared. FLOPs: `FlopCounterMode` (matmuls, convolutions, attention; pointwise ops count
-zero), forward, backward and recompute; compiled rows count the graphs inductor compiled.
+(`autoremat.comparison.saved_by_autograd`); this is the basis on which eager plans and
+torch.compile are compared. FLOPs: `FlopCounterMode` (matmuls, convolutions, attention;
+pointwise ops count zero), forward, backward and recompute; compiled rows count the graphs
+inductor compiled.
 `time x`: median of interleaved timed steps over the median of `none`'s in the same comparison
 (± half the range over the median); 2 shared cores, 1 torch thread, so read it with its spread.
 `predicted time x`: 1 + the plan's `recompute_seconds` (its profile's timing of the recomputed

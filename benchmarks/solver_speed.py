@@ -21,7 +21,8 @@ import torch
 
 import autoremat
 from autoremat.examples import llama_on_meta
-from autoremat.strategies.budget import Item, min_peak, solve
+from autoremat.planning_tree import planning_tree
+from autoremat.solver import Item, min_peak, solve
 
 
 def random_tree(nodes: int, seed: int) -> tuple[Item, list[tuple[int, int]]]:
@@ -76,8 +77,6 @@ def main() -> None:
         "| case | nodes | budget | solve s | lowest peak search s |",
         "| --- | ---: | --- | ---: | ---: |",
     ]
-    from autoremat.plan import planning_tree
-
     deep_model, deep_args, deep_kwargs = llama_on_meta(
         layers=80, width=1024, heads=16, ffn=2816, batch=4, sequence=2048
     )

@@ -16,25 +16,25 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from autoremat.examples import ConvNet, Example, TinyGPT, UNet, _seeded, _transformers
+from autoremat.examples import ConvNet, Example, TinyGPT, UNet, require_transformers, seeded
 
 SEQ = 256  # tokens per sequence for the language models
 VOCAB = 2048  # small vocabulary: the logits do not swamp the blocks' activations
 
 
-@_seeded
+@seeded
 def gpt2() -> Example:
     """Hugging Face GPT2LMHeadModel: 4 layers, width 256, 4 heads, batch 4 x 256 tokens."""
-    t = _transformers()
+    t = require_transformers()
     config = t.GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=SEQ, vocab_size=VOCAB)
     ids = torch.randint(0, VOCAB, (4, SEQ))
     return t.GPT2LMHeadModel(config), (), {"input_ids": ids, "labels": ids}
 
 
-@_seeded
+@seeded
 def llama() -> Example:
     """Hugging Face LlamaForCausalLM: 4 layers, width 256, GQA 8/4 heads, batch 2 x 256."""
-    t = _transformers()
+    t = require_transformers()
     config = t.LlamaConfig(
         num_hidden_layers=4,
         hidden_size=256,
@@ -49,10 +49,10 @@ def llama() -> Example:
     return t.LlamaForCausalLM(config), (), {"input_ids": ids, "labels": ids}
 
 
-@_seeded
+@seeded
 def bert() -> Example:
     """Hugging Face BertForMaskedLM: 4 layers, width 256, 4 heads, batch 2 x 256."""
-    t = _transformers()
+    t = require_transformers()
     config = t.BertConfig(
         num_hidden_layers=4,
         hidden_size=256,
@@ -67,11 +67,11 @@ def bert() -> Example:
     return t.BertForMaskedLM(config), (), kwargs
 
 
-@_seeded
+@seeded
 def vit() -> Example:
     """Hugging Face ViTForImageClassification: 4 layers, width 256, 128 x 128 images in 8 x 8
     patches (256 tokens), batch 2."""
-    t = _transformers()
+    t = require_transformers()
     config = t.ViTConfig(
         num_hidden_layers=4,
         hidden_size=256,
@@ -87,7 +87,7 @@ def vit() -> Example:
     return t.ViTForImageClassification(config), (), kwargs
 
 
-@_seeded
+@seeded
 def gpt_torch() -> Example:
     """GPT-2-like decoder in plain PyTorch (TinyGPT): 4 blocks, width 256, batch 2 x 256."""
     model = TinyGPT(vocab=VOCAB, width=256, layers=4, heads=4, context=SEQ)
@@ -95,20 +95,20 @@ def gpt_torch() -> Example:
     return model, (idx,), {"targets": torch.roll(idx, -1, dims=1)}
 
 
-@_seeded
+@seeded
 def cnn() -> Example:
     """VGG-style CNN with BatchNorm and dropout: 4 stages (16-128 channels), batch 8 x 3 x 96^2."""
     return ConvNet(widths=(16, 32, 64, 128)), (torch.randn(8, 3, 96, 96),), {}
 
 
-@_seeded
+@seeded
 def unet() -> Example:
     """UNet-like model with skip connections, BatchNorm and dropout: 3 levels (16-64 channels),
     batch 4 x 3 x 96 x 96."""
     return UNet(widths=(16, 32, 64)), (torch.randn(4, 3, 96, 96),), {}
 
 
-@_seeded
+@seeded
 def mlp() -> Example:
     """Deep MLP chain: nn.Sequential of 32 Linear(128, 128) + GELU pairs (64 modules), batch
     2048."""

@@ -1,4 +1,5 @@
-"""The side-by-side benchmark harness (autoremat.bench): tiny models, one timed step, no compile."""
+"""The side-by-side benchmark harness (autoremat.comparison, and benchmarks/report.py): tiny
+models, one timed step, no compile."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import copy
 import csv
 import math
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from autoremat import build_tree, wrap
-from autoremat.bench import (
+from autoremat.comparison import (
+    Applied,
     Row,
     Strategy,
     budget,
@@ -21,15 +25,16 @@ from autoremat.bench import (
     find_blocks,
     levels,
     no_recompute,
-    plot,
     saved_by_autograd,
     sqrt_segments,
-    to_csv,
     to_markdown,
 )
-from autoremat.cli import main
 from autoremat.examples import ConvNet, TinyGPT
 from autoremat.tree import Node
+
+# CSV files and plots are the benchmark scripts' (benchmarks/report.py), not the package's
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from report import from_csv, plot, to_csv
 
 
 @pytest.fixture(autouse=True)
@@ -218,7 +223,9 @@ def test_baseline_runs_hugging_face_models_without_their_cache() -> None:
     model = transformers.GPT2LMHeadModel(config).train()
     ids = torch.randint(0, 64, (2, 32))
     assert model(input_ids=ids).past_key_values is not None  # on by default
-    baseline = no_recompute().apply(copy.deepcopy(model), (), {"input_ids": ids})
+    applied = no_recompute().apply(copy.deepcopy(model), (), {"input_ids": ids})
+    assert isinstance(applied, Applied)
+    baseline = applied.model
     assert baseline(input_ids=ids).past_key_values is None
     with torch.no_grad():
         assert baseline(input_ids=ids).past_key_values is not None
@@ -268,6 +275,21 @@ def test_saved_by_autograd_counts_activations_only() -> None:
     # ReLU saves its output (16 x 4 float32) and the default loss saves nothing
     assert saved_by_autograd(net, (x,)) == 16 * 4 * 4
     assert all(p.grad is None for p in net.parameters())
+
+
+def test_rows_carry_the_plan_applied_and_bare_modules_are_accepted() -> None:
+    model, args, kwargs = tiny_gpt()
+    bare = Strategy("bare", lambda m, a, k: m)  # a bare module is taken as Applied(module)
+    rows = compare(model, args, kwargs, [budget(0.5), levels(4), bare], repeats=1)
+    by = {r.strategy: r for r in rows}
+    assert set(by) == {"none", "budget 50%", "levels s=4", "bare"}
+    assert by["none"].plan is None and by["bare"].plan is None
+    assert by["bare"].grads_match and by["bare"].note == ""
+    plan = by["budget 50%"].plan
+    assert plan is not None and plan.tree is None  # the tree would keep the model copy alive
+    assert plan.estimated_peak is not None
+    assert f"predicted peak {plan.estimated_peak / 2**20:.1f} MiB" in by["budget 50%"].note
+    assert by["levels s=4"].plan is not None and by["levels s=4"].plan.segments == 4
 
 
 # ---------------------------------------------------------------- reports
@@ -325,6 +347,8 @@ def test_csv_round_trips(tmp_path) -> None:
             assert int(rec["peak"]) == row.peak
         assert math.isclose(float(rec["seconds"]), row.seconds)
         assert float(rec["flops_ratio"]) == row.flops_ratio
+    assert "plan" not in back[0]  # an object, not a figure
+    assert from_csv(path) == rows  # rows compare equal whatever their plan
 
 
 def test_plot_writes_a_png(tmp_path) -> None:
@@ -336,6 +360,8 @@ def test_plot_writes_a_png(tmp_path) -> None:
 
 
 def test_cli_bench(capsys) -> None:
+    from autoremat.cli import main
+
     assert main(["bench", "gpt2", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("| gpt2 |")]

@@ -1,14 +1,34 @@
-"""The command line: tree, plan, demo, examples, and one-line errors for bad targets."""
+"""The command line: tree, plan, demo, examples, help, budgets as the CLI writes them, and
+one-line errors (status 2) for bad targets, failing factories and infeasible budgets."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from autoremat.cli import main
+from autoremat.cli import CliError, main, parse_budget_arg
+
+TINY = """
+import torch
+from torch import nn
+
+def build():
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)))
+    return model, (torch.randn(32, 64, generator=g),), {}
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """A TARGET for a small model whose steps are quick: four Linear+GELU blocks."""
+    file = tmp_path / "tiny.py"
+    file.write_text(TINY)
+    return f"{file}:build"
 
 
 def test_tree_prints_paths_and_shapes(capsys):
@@ -65,7 +85,7 @@ def test_bad_segments_is_one_line(capsys):
     assert main(["plan", "gpt2", "--segments", "-2"]) == 2
     assert (
         capsys.readouterr().err
-        == "autoremat: error: segments must be >= 0, got -2; try segments=3\n"
+        == "autoremat: error: --segments must be 0 or more, got -2; try --segments 3\n"
     )
 
 
@@ -83,3 +103,165 @@ def test_plan_objective_flag(capsys):
     assert "minimised flops" in out and "selective" in out
     assert main(["plan", "gpt2", "--segments", "2", "--objective", "flops"]) == 2
     assert "--objective applies to budget plans" in capsys.readouterr().err
+
+
+# --budget as the command line takes it ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("0.5", 0.5),
+        ("1", 1.0),
+        (".25", 0.25),
+        ("50%", "50%"),
+        ("2GiB", "2GiB"),
+        ("800MB", "800MB"),
+        ("1.5 KiB", "1.5 KiB"),
+        ("25000000", 25000000),
+        ("2", 2),
+    ],
+)
+def test_budget_forms(text, value):
+    parsed = parse_budget_arg(text)
+    assert parsed == value and type(parsed) is type(value)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "1.5", "nan", "inf", "150%", "0%", "50x", "MiB", ""])
+def test_bad_budget_names_the_cli_forms(text):
+    with pytest.raises(CliError) as caught:
+        parse_budget_arg(text)
+    message = str(caught.value)
+    assert "50%" in message and "2GiB" in message and "0.5" in message
+    assert not re.search(r"\b(int|float|str)\b", message), message
+
+
+def test_plan_takes_a_fraction_and_prints_sizes(tiny, capsys):
+    assert main(["plan", tiny, "--budget", "0.95", "--measure"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\nmeasured peak \d+\.\d\d KiB \(predicted \d+\.\d\d KiB, error ", out)
+
+
+def test_bad_budget_is_one_line_in_cli_words(capsys):
+    assert main(["plan", "gpt2", "--budget", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoremat: error: budget 1.5: a bare number is a fraction in (0, 1]")
+    assert err.count("\n") == 1 and "float" not in err
+
+
+def test_infeasible_budget_suggests_cli_syntax_that_works(tiny, capsys):
+    assert main(["plan", tiny, "--budget", "1KiB"]) == 2
+    err = capsys.readouterr().err
+    found = re.fullmatch(
+        r"autoremat: error: budget 1KiB is below the lowest peak Sequential reaches, "
+        r"\d+\.\d\d KiB \(\d+% of \d+\.\d\d KiB without recompute\); "
+        r"try --budget (\d+\.\d\dKiB)\n",
+        err,
+    )
+    assert found, err
+    assert "budget=" not in err
+    assert main(["plan", tiny, "--budget", found.group(1)]) == 0
+
+
+def test_infeasible_fraction_says_its_size(tiny, capsys):
+    assert main(["plan", tiny, "--budget", "0.1"]) == 2
+    assert re.match(
+        r"autoremat: error: budget 0\.1 \(\d+\.\d\d KiB\) is below the lowest peak",
+        capsys.readouterr().err,
+    )
+
+
+# Factories that fail -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "factory", "words"),
+    [
+        ("def build():\n    raise RuntimeError('no weights\\nhere')\n", "build",
+         ["build()", "RuntimeError: no weights here"]),
+        ("import not_a_module_anywhere\n", "build",
+         ["importing", "build()", "ModuleNotFoundError", "not_a_module_anywhere"]),
+        ("import sys\nsys.exit(3)\n", "build", ["importing", "SystemExit: 3"]),
+        ("def build(size):\n    return size\n", "build", ["build()", "TypeError"]),
+    ],
+)  # fmt: skip
+def test_failing_factory_is_one_line_with_status_2(tmp_path, capsys, source, factory, words):
+    file = tmp_path / "failing.py"
+    file.write_text(source)
+    assert main(["tree", f"{file}:{factory}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoremat: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and str(file) in err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_factory_file_may_define_dataclasses(tmp_path, capsys):
+    file = tmp_path / "with_dataclass.py"
+    file.write_text(
+        "from dataclasses import dataclass\n\n@dataclass\nclass Config:\n    width: int = 4\n"
+        + TINY
+    )
+    assert main(["tree", f"{file}:build"]) == 0
+    assert "0: Sequential" in capsys.readouterr().out
+
+
+# Help ----------------------------------------------------------------------------------------
+
+
+def test_help_is_plain_text_and_lists_everything(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out
+    for command in ("tree", "plan", "demo", "bench", "examples"):
+        assert re.search(rf"^  {command} ", out, re.MULTILINE), command
+    assert "FILE.py:FACTORY" in out and "gpt2" in out
+    assert "executed" in out and "trust" in out
+    assert "50%" in out and "0.5" in out and "2GiB" in out
+
+
+# The demo ------------------------------------------------------------------------------------
+
+
+def test_demo_uses_the_lowest_budget_when_asked_for_less(tiny, capsys):
+    assert main(["demo", tiny, "--budget", "1KiB", "--rounds", "0"]) == 0
+    out = capsys.readouterr().out
+    note = re.search(
+        r"^budget 1KiB is below the lowest peak Sequential reaches, (\d+\.\d\d KiB) .*; "
+        r"using (\d+\.\d\d KiB) instead$",
+        out,
+        re.MULTILINE,
+    )
+    assert note, out
+    assert note.group(1) == note.group(2)
+    assert f"Plan for Sequential (budget {note.group(2)})" in out
+    assert "time: not measured (--rounds 0)" in out and "ms/step" not in out
+    assert "loss, gradients and buffers identical" in out
+
+
+def test_demo_cnn_default_budget_is_met(capsys):
+    """The built-in cnn cannot reach 50%: the demo says so and uses what it can reach."""
+    assert main(["demo", "cnn", "--rounds", "0"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^budget 50% \(.*\) is below the lowest peak ConvNet reaches", out, re.M)
+    assert "identical" in out
+
+
+def test_demo_states_the_timing_noise(tiny, capsys):
+    """Only the format: the figures are whatever the machine gave."""
+    assert main(["demo", tiny, "--budget", "0.99", "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "Plan for Sequential (budget " in out and "using" not in out
+    header = next(line for line in out.splitlines() if "ms/step" in line)
+    assert header.split() == ["peak", "predicted", "saved", "GFLOP", "ms/step", "spread"]
+    rows = out.split(header + "\n")[1].splitlines()[:3]
+    size = r"\d+\.\d\d [KMG]iB"
+    for row in rows:
+        assert re.fullmatch(rf".{{18}} +{size} +({size}|-) +{size} +[\d.]+ +[\d.]+ +\d+%", row)
+    ratios = [line for line in out.splitlines() if ": peak x" in line]
+    assert len(ratios) == 2
+    for line in ratios:
+        assert re.search(r", FLOPs x\d+\.\d\d, time x\d+\.\d\d ±\d+\.\d\d$", line), line
+    assert "median of 3 rounds" in out and "CPU step times are noisy" in out

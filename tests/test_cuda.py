@@ -503,7 +503,7 @@ def test_hf_llama_self_attention_wrapped_on_cuda():
 def test_bench_compare_on_cuda():
     """The harness benchmarks/gpu_bench.py relies on: every strategy trains as the baseline does,
     and the allocator's peaks fall with recompute."""
-    from autoremat import bench
+    from autoremat import comparison as bench
 
     model, args, kwargs = example("gpt2")
     rows = bench.compare(

@@ -1,0 +1,129 @@
+"""``torch.compile`` (inductor) as a strategy, with ``activation_memory_budget``: the min-cut
+partitioner then decides what to recompute.
+
+A compiled model cannot be measured by a dispatch mode (dynamo runs the original Python code
+eagerly when a ``TorchDispatchMode`` is active), so :func:`compiled` counts the FLOPs of the
+graphs inductor compiles (:func:`graph_flops`) while it warms the model up, and hands them to
+the harness in a :class:`CompileInfo`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from autoremat.comparison.strategies import Applied, Args, Kwargs, Strategy
+from autoremat.snapshot import preserved
+from autoremat.step import LossFn, default_loss, train_step
+
+__all__ = ["CompileInfo", "compiled", "graph_flops"]
+
+
+@dataclass
+class CompileInfo:
+    """What compiling one model took and made.
+
+    Attributes:
+        budget: the ``activation_memory_budget`` it was compiled under.
+        graphs: graphs inductor compiled so far (forward and backward count one each).
+        flops: FLOPs of those graphs (:func:`graph_flops`); ``None`` once a graph could not be
+            counted.
+        compile_seconds: the warm-up step, cold compile included.
+        calls_after_warmup: ``graphs`` after the warm-up step; more later means it recompiled.
+        warm_flops: ``flops`` after the warm-up step: the FLOPs of one step.
+    """
+
+    budget: float
+    graphs: int = 0
+    flops: int | None = 0
+    compile_seconds: float = 0.0
+    calls_after_warmup: int = 0
+    warm_flops: int | None = None
+
+
+def graph_flops(gm: torch.fx.GraphModule) -> int:
+    """FLOPs of one run of an FX graph whose nodes carry ``meta["val"]`` (the graphs that
+    AOTAutograd hands to inductor), by the formulas ``FlopCounterMode`` uses."""
+    from torch.utils.flop_counter import flop_registry
+
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        packet = getattr(node.target, "overloadpacket", node.target)
+        formula = flop_registry.get(packet)
+        if formula is None:
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        total += int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    return total
+
+
+def _counting_inductor(info: CompileInfo) -> Callable[..., Any]:
+    """An inductor backend that also counts the graphs it compiles and their FLOPs. A distinct
+    backend object per compiled model also keeps dynamo from reusing one model's compiled code
+    (made under another memory budget) for another copy of the same model."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(gm: torch.fx.GraphModule, example_inputs: Any, *a: Any, **kw: Any) -> Any:
+        info.graphs += 1
+        if info.flops is not None:
+            try:
+                info.flops += graph_flops(gm)
+            except Exception:  # a formula that cannot read this node: FLOPs unknown
+                info.flops = None
+        return compile_fx_inner(gm, example_inputs, *a, **kw)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return compile_fx(gm, example_inputs, inner_compile=inner)
+
+    return backend
+
+
+def compiled(
+    budget: float,
+    *,
+    loss_fn: LossFn | None = None,
+    fallback_random: bool = True,
+) -> Strategy:
+    """``torch.compile(model)`` (inductor) with ``activation_memory_budget=budget`` while it
+    compiles: one warm-up step (forward and backward) runs in ``apply``, so the cold compile is
+    not timed (its seconds go to the row's note). The row's ``peak`` is ``None``, its ``saved``
+    the autograd-saved bytes and its FLOPs those of the compiled graphs (recompute included).
+
+    ``fallback_random=True`` sets ``torch._inductor.config.fallback_random`` while compiling so
+    that dropout draws the same masks as eager PyTorch (otherwise gradients cannot be compared;
+    the memory the partitioner chooses is the same either way). The AOTAutograd cache is off
+    while compiling (a cache hit would skip the graphs whose FLOPs are counted); inductor's FX
+    graph cache stays on.
+
+    Known problem (torch 2.13, pytorch#190758, open): with a budget below 1.0 the partitioner
+    may recompute random ops (dropout) in backward with fresh random numbers, so a model with
+    dropout gets wrong gradients; ``compare`` reports ``grads_match=False`` for it.
+    """
+    loss_fn = default_loss if loss_fn is None else loss_fn
+
+    def apply(model: nn.Module, args: Args, kwargs: Kwargs) -> Applied:
+        info = CompileInfo(budget)
+        # an OptimizedModule (typed as a plain callable)
+        optimized = cast(nn.Module, torch.compile(model, backend=_counting_inductor(info)))
+        start = time.perf_counter()
+        with (
+            torch._functorch.config.patch(
+                activation_memory_budget=budget, enable_autograd_cache=False
+            ),
+            torch._inductor.config.patch(fallback_random=fallback_random),
+            preserved(model),
+        ):
+            train_step(optimized, args, kwargs, loss_fn)
+        info.compile_seconds = time.perf_counter() - start
+        info.calls_after_warmup = info.graphs
+        info.warm_flops = info.flops
+        return Applied(optimized, compile_info=info)
+
+    return Strategy(f"compile b={budget:g}", apply)

@@ -1,0 +1,60 @@
+"""One result of a comparison: one strategy on one model."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from autoremat.plans import Plan
+
+__all__ = ["Row"]
+
+
+@dataclass
+class Row:
+    """One strategy on one model. Byte counts are ints, ratios are relative to the ``none`` row
+    of the same model; ``None`` where a figure is unknown (``peak`` of a compiled model, every
+    figure of a strategy that failed).
+
+    Attributes:
+        peak: bytes alive at most during the step, above what existed before it
+            (:class:`autoremat.Measurement`); ``None`` for compiled models.
+        saved: bytes created by the forward and still alive before backward
+            (:class:`autoremat.Measurement`); for compiled models, ``autograd_saved``.
+        autograd_saved: bytes of the distinct storages kept from the forward for backward:
+            autograd's saved tensors plus selective checkpointing's cache
+            (:func:`autoremat.comparison.saved_by_autograd`); the basis on which eager and
+            compiled strategies compare.
+        flops: FLOPs of one step, recompute included.
+        seconds: median wall time of one step.
+        time_spread: (slowest - fastest) / median of the timed steps: how noisy ``seconds``
+            is.
+        saved_ratio: ``saved`` over the baseline's ``saved``; for compiled models over the
+            baseline's ``autograd_saved`` (the same basis).
+        grads_match: loss and every parameter gradient equal to the baseline's within
+            ``rtol=1e-5, atol=1e-6`` after one step from the same seed.
+        note: what else is known, ``; ``-separated: what the strategy wraps, a budget plan's
+            predicted peak and its error, what differs from the baseline, why it failed.
+        compiled: the strategy ran through ``torch.compile``.
+        plan: the :class:`autoremat.Plan` the strategy applied (``levels``, ``budget``), without
+            its ``tree``; ``None`` for the others. Not one of the figures (no table or CSV
+            shows it; rows compare equal whatever it is).
+    """
+
+    model: str
+    strategy: str
+    peak: int | None
+    saved: int | None
+    autograd_saved: int | None
+    flops: int | None
+    seconds: float | None
+    time_spread: float | None
+    peak_ratio: float | None
+    saved_ratio: float | None
+    autograd_saved_ratio: float | None
+    flops_ratio: float | None
+    time_ratio: float | None
+    grads_match: bool
+    note: str = ""
+    compiled: bool = False
+    plan: Plan | None = dataclasses.field(default=None, repr=False, compare=False)
