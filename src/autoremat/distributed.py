@@ -77,6 +77,22 @@ def broadcast_plan(plan: Plan | None, src: int = 0, group: Any = None) -> Plan:
         Exception: whatever ``broadcast_object_list`` raises (``src`` not in ``group``, a
             failed or timed-out collective).
     """
+    _require_process_group()
+    payload: list[Any] = [None]
+    if dist.get_rank() == src:
+        if isinstance(plan, Plan):
+            payload = [("plan", plan.to_dict())]
+        else:
+            payload = [("error", type(plan).__name__)]
+    dist.broadcast_object_list(payload, src=src, group=group)
+    data = _received(payload, src)
+    if dist.get_rank() == src:
+        assert isinstance(plan, Plan)
+        return plan
+    return Plan.from_dict(data)
+
+
+def _require_process_group() -> None:
     if not dist.is_available():
         raise RuntimeError(
             "autoremat.broadcast_plan needs torch.distributed, which this build of torch "
@@ -87,13 +103,11 @@ def broadcast_plan(plan: Plan | None, src: int = 0, group: Any = None) -> Plan:
             "autoremat.broadcast_plan needs an initialised process group: call "
             "torch.distributed.init_process_group(...) on every rank first"
         )
-    payload: list[Any] = [None]
-    if dist.get_rank() == src:
-        if isinstance(plan, Plan):
-            payload = [("plan", plan.to_dict())]
-        else:
-            payload = [("error", type(plan).__name__)]
-    dist.broadcast_object_list(payload, src=src, group=group)
+
+
+def _received(payload: list[Any], src: int) -> Any:
+    """The plan data rank ``src`` broadcast, or the ``ValueError`` every rank raises when it
+    sent none (or this rank was outside the group)."""
     if payload[0] is None:  # torch skips the broadcast on a rank outside the group
         raise ValueError(
             f"autoremat.broadcast_plan: rank {dist.get_rank()} is not in the group it was "
@@ -105,7 +119,4 @@ def broadcast_plan(plan: Plan | None, src: int = 0, group: Any = None) -> Plan:
             f"autoremat.broadcast_plan: rank {src} (the src rank) passed {data}, not a Plan; "
             f"make the plan on rank {src} (autoremat.plan(model, ...)) and pass it there"
         )
-    if dist.get_rank() == src:
-        assert isinstance(plan, Plan)
-        return plan
-    return Plan.from_dict(data)
+    return data

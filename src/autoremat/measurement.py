@@ -129,6 +129,19 @@ def measure(
     with preserved(model, inputs), FlopCounterMode(display=False) as flops:
         run()
 
+    return Measurement(
+        peak=memory.peak,
+        saved=memory.marks["forward"],
+        flops=flops.get_total_flops(),
+        seconds=_median_seconds(run, model, inputs, cuda, repeats),
+    )
+
+
+def _median_seconds(
+    run: Any, model: nn.Module, inputs: list[torch.Tensor], cuda: bool, repeats: int
+) -> float:
+    """The median wall time of ``repeats`` calls of ``run`` (synchronised on CUDA), each
+    from the model's state on entry."""
     times = []
     for _ in range(repeats):
         with preserved(model, inputs):
@@ -139,10 +152,4 @@ def measure(
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-
-    return Measurement(
-        peak=memory.peak,
-        saved=memory.marks["forward"],
-        flops=flops.get_total_flops(),
-        seconds=statistics.median(times),
-    )
+    return statistics.median(times)

@@ -4,6 +4,7 @@ budget may be."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
@@ -63,16 +64,8 @@ def plan(
         ExampleInputsError: (a ValueError) the example inputs fail in forward; the message
             names the module.
     """
-    if segments is not None and budget is not None:
-        raise ValueError(
-            "segments and budget are mutually exclusive: pass segments=K for the levels "
-            "strategy, or budget=... for the memory-budget strategy"
-        )
-    if budget is None and segments is None:
-        segments = DEFAULT_SEGMENTS
     request = Request(type(model).__name__, segments, budget, loss_fn, selective, objective)
-    strategy = STRATEGIES["budget" if budget is not None else "segments"]
-    request = strategy.check(request)
+    strategy, request = _strategy_for(request)
     evidence, tree = _evidence(strategy, model, args, kwargs, request)
     return Plan(
         strategy=strategy.name,
@@ -82,6 +75,20 @@ def plan(
         tree=tree,
         **strategy.choose(evidence, request),
     )
+
+
+def _strategy_for(request: Request) -> tuple[Strategy, Request]:
+    """The strategy ``request`` selects (levels with the default count when it names none),
+    and the request as that strategy checked it."""
+    if request.segments is not None and request.budget is not None:
+        raise ValueError(
+            "segments and budget are mutually exclusive: pass segments=K for the levels "
+            "strategy, or budget=... for the memory-budget strategy"
+        )
+    if request.budget is None and request.segments is None:
+        request = dataclasses.replace(request, segments=DEFAULT_SEGMENTS)
+    strategy = STRATEGIES["budget" if request.budget is not None else "segments"]
+    return strategy, strategy.check(request)
 
 
 def _evidence(
