@@ -9,6 +9,18 @@ different plans gave the same gradients, but each rank would use other memory. P
 every rank does not make the plans equal: ranks see different data, and a budget plan depends
 on the profile of the batch it ran on. So make the plan once, on one rank, and send it to the
 others with :func:`broadcast_plan`.
+
+.. note::
+    A budget plan's ``budget`` and ``estimated_peak`` are for the data rank ``src``
+    profiled, on the model without sharding: plan on the batch one rank sees. Under FSDP2
+    each rank's peak is about that estimate plus FSDP2's unsharded parameters and
+    communication buffers (see docs/guide.md, "Distributed training").
+
+.. warning::
+    If rank ``src`` fails before it calls :func:`broadcast_plan` (planning raised), the other
+    ranks wait in the broadcast until the process group's timeout, or until the
+    backend notices that rank ``src`` died. The plan is sent with ``pickle`` (as
+    ``broadcast_object_list`` does), so only use it with ranks you trust.
 """
 
 from __future__ import annotations
@@ -46,17 +58,7 @@ def broadcast_plan(plan: Plan | None, src: int = 0, group: Any = None) -> Plan:
         ...     fully_shard(block)
         >>> fully_shard(model)
 
-    .. note::
-        A budget plan's ``budget`` and ``estimated_peak`` are for the data rank ``src``
-        profiled, on the model without sharding: plan on the batch one rank sees. Under FSDP2
-        each rank's peak is about that estimate plus FSDP2's unsharded parameters and
-        communication buffers (see the README, "Distributed training").
-
-    .. warning::
-        If rank ``src`` fails before it calls this function (planning raised), the other
-        ranks wait in the broadcast until the process group's timeout, or until the
-        backend notices that rank ``src`` died. The plan is sent with ``pickle`` (as
-        ``broadcast_object_list`` does), so only use it with ranks you trust.
+    See the module docstring for budgets under FSDP2, a failing ``src`` rank and trust.
 
     Args:
         plan: the plan to send, on rank ``src``; ignored on the other ranks.

@@ -6,6 +6,17 @@ exactly as it found it (see :func:`autoremat.snapshot.preserved`). Memory comes 
 :class:`autoremat.memory.LiveMemory` (tensor storages created by the step, exact to the byte and
 the same on the ``meta`` device as on a real one), FLOPs from
 :class:`torch.utils.flop_counter.FlopCounterMode`, time from separate runs without either.
+
+On the ``meta`` device (model and inputs) nothing is computed or allocated, yet ``peak``,
+``saved`` and ``flops`` come out equal to the CPU figures (checked on linear chains with
+and without (selective) checkpointing, a GPT-2-like model, a BatchNorm CNN and Hugging
+Face GPT-2); ``seconds`` is then meaningless. Figures for another device can differ where
+the device picks other kernels (``scaled_dot_product_attention`` backends on CUDA save
+other tensors), and code that reads tensor values (``.item()``, data-dependent shapes)
+fails on ``meta``.
+
+See :class:`Measurement` for the exact definitions, and :mod:`autoremat.memory` for what
+the memory tracker cannot see (scratch buffers inside kernels, allocator rounding).
 """
 
 from __future__ import annotations
@@ -87,18 +98,8 @@ def measure(
     The model is left as found: buffers (BatchNorm statistics included), ``.grad`` of every
     parameter and of every leaf input that requires grad (the same tensor objects, or None),
     training flags and the global RNG state are restored, also when the step raises.
-    Parameters are not changed by a step (no optimizer runs).
-
-    On the ``meta`` device (model and inputs) nothing is computed or allocated, yet ``peak``,
-    ``saved`` and ``flops`` come out equal to the CPU figures (checked on linear chains with
-    and without (selective) checkpointing, a GPT-2-like model, a BatchNorm CNN and Hugging
-    Face GPT-2); ``seconds`` is then meaningless. Figures for another device can differ where
-    the device picks other kernels (``scaled_dot_product_attention`` backends on CUDA save
-    other tensors), and code that reads tensor values (``.item()``, data-dependent shapes)
-    fails on ``meta``.
-
-    See :class:`Measurement` for the exact definitions, and :mod:`autoremat.memory` for what
-    the memory tracker cannot see (scratch buffers inside kernels, allocator rounding).
+    Parameters are not changed by a step (no optimizer runs). :class:`Measurement` defines
+    the figures; the module docstring says what they are on the ``meta`` device.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -128,7 +129,6 @@ def measure(
         run(after_forward=lambda: memory.snapshot("forward"))
     with preserved(model, inputs), FlopCounterMode(display=False) as flops:
         run()
-
     return Measurement(
         peak=memory.peak,
         saved=memory.marks["forward"],
