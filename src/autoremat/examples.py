@@ -340,7 +340,3 @@ EXAMPLES: dict[str, Callable[[], Example]] = {
     "hf-llama": hf_llama,
     "hf-vit": hf_vit,
 }
-
-# the names these had before they were public (benchmark scripts of earlier versions)
-_seeded = seeded
-_transformers = require_transformers

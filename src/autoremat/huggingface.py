@@ -76,11 +76,6 @@ def remove_cache_hooks(model: nn.Module) -> None:
             handle.remove()
 
 
-def has_cache_hook(module: nn.Module) -> bool:
-    """Whether :func:`turn_cache_off_in_training` put its hook on ``module``."""
-    return module in _cache_hooks
-
-
 @contextlib.contextmanager
 def cache_off_in_training(model: nn.Module) -> Iterator[None]:
     """While active, Hugging Face-style models inside ``model`` are called with

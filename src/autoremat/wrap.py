@@ -408,13 +408,9 @@ def unwrappable_reason(m: nn.Module) -> str | None:
 
 
 def _check_wrappable(path: str, m: nn.Module) -> None:
-    if isinstance(m, torch.jit.ScriptModule):
-        raise ValueError(f"module {path!r} is a TorchScript module and cannot be wrapped")
-    if "forward" in m.__dict__:
-        raise ValueError(
-            f"module {path!r} has its forward replaced on the instance (by a hook library?); "
-            f"autoremat cannot wrap it: leave it out of the plan"
-        )
+    reason = unwrappable_reason(m)
+    if reason is not None:
+        raise ValueError(f"module {path!r} cannot be wrapped: {reason}; leave it out of the plan")
 
 
 def remove(model: nn.Module) -> nn.Module:

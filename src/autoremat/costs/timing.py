@@ -70,14 +70,14 @@ def time_forward(
     (``(path, "")``) and of those each way of selective recompute keeps (``(path, way)``):
     the fastest of ``runs`` forwards, each figure on its own. ``nodes``: module id -> (path,
     module)."""
-    best_seconds: dict[str, float] = defaultdict(float)
-    best_ops: dict[tuple[str, str], float] = defaultdict(float)
-    for k in range(runs):
+    best_seconds: dict[str, float] = {}
+    best_ops: dict[tuple[str, str], float] = {}
+    for _ in range(runs):
         seconds, ops = _one_timed_forward(model, args, kwargs, nodes, _sync_for(device))
         for path, t in seconds.items():
-            best_seconds[path] = t if k == 0 else min(best_seconds.get(path, math.inf), t)
+            best_seconds[path] = min(best_seconds.get(path, math.inf), t)
         for key, t in ops.items():
-            best_ops[key] = t if k == 0 else min(best_ops.get(key, math.inf), t)
+            best_ops[key] = min(best_ops.get(key, math.inf), t)
     return best_seconds, best_ops
 
 
