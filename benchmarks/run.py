@@ -50,8 +50,9 @@ step (activations, gradients, temporaries; parameters and inputs excluded), from
 `autoremat.measure`. `saved`: memory created by the forward and still alive before backward.
 `autograd-saved`: distinct storages packed by `saved_tensors_hooks`, plus the outputs kept in
 selective checkpointing's cache, which those hooks do not see (parameters and inputs
-excluded); for `compile` rows `saved` is this figure and `peak` is unknown (a dispatch-mode
-tracker cannot see inside compiled code). FLOPs count matmuls/convolutions/attention, forward,
+excluded). For `compile` rows `peak` and `saved` come from the CPU allocator's own events (a
+dispatch-mode tracker cannot see inside compiled code; on CPU the two agree within 1% on eager
+steps). FLOPs count matmuls/convolutions/attention, forward,
 backward and recompute (compiled rows: counted on the graphs inductor compiled). `ms/step`:
 median of interleaved timed steps (one step of each strategy per round), ± half their range
 relative to the median; the machine is shared and noisy, so read `time x` with that in mind.

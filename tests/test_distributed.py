@@ -28,7 +28,7 @@ import autoremat
 from autoremat import wrap
 from autoremat.examples import TinyGPT
 from autoremat.memory import LiveMemory
-from autoremat.plans import fingerprint
+from autoremat.plans import fingerprint, structure
 
 WORLD = 2
 BATCH = 4  # per rank
@@ -136,11 +136,22 @@ def _worker(rank: int, out: Path) -> None:
         autoremat.broadcast_plan(None)
     except ValueError as e:
         res["none_error"] = str(e)
+    # a plan built by hand, without a fingerprint: the other ranks could not load it, so
+    # every rank raises (none is left waiting at its next collective)
+    try:
+        autoremat.broadcast_plan(
+            autoremat.Plan(modules=("0",), strategy="levels", model_class="M", segments=1)
+        )
+    except ValueError as e:
+        res["unfingerprinted_error"] = str(e)
 
     # a group without rank 1: rank 0 gets its plan back, rank 1 (outside it) a ValueError
     solo = dist.new_group([0])
     try:
-        mine = autoremat.Plan((), "levels", "TinyGPT")
+        model = build()
+        mine = autoremat.Plan(
+            (), "levels", "TinyGPT", fingerprint=fingerprint(model), structure=structure(model)
+        )
         res["solo"] = autoremat.broadcast_plan(mine, group=solo) is mine
     except ValueError as e:
         res["solo"] = str(e)
@@ -264,6 +275,12 @@ def test_broadcast_plan_gives_every_rank_rank0s_plan(ranks):
 def test_broadcast_plan_none_on_src_raises_on_every_rank(ranks):
     for r in ranks:
         assert "rank 0 (the src rank) passed NoneType, not a Plan" in r["none_error"]
+
+
+def test_broadcast_plan_without_a_fingerprint_raises_on_every_rank(ranks):
+    for r in ranks:
+        assert "a plan the other ranks cannot load" in r["unfingerprinted_error"]
+        assert "fingerprint" in r["unfingerprinted_error"]
 
 
 def test_broadcast_plan_in_a_group(ranks):

@@ -255,7 +255,7 @@ def test_hf_cache_is_turned_off_in_training_and_kept_otherwise(caplog):
     kwargs = {**kwargs, "use_cache": True}
     reference = copy.deepcopy(model)
     autoremat.plan(model, args, kwargs, segments=3).apply(model)
-    autoremat.huggingface._warn_once.cache_clear()  # the warning is logged once per process
+    autoremat.huggingface._warned.clear()  # the warning is logged once per process
     with caplog.at_level(logging.WARNING, logger="autoremat"):
         assert_same_step(reference, model, args, kwargs)
     assert "use_cache=False" in caplog.text

@@ -12,16 +12,19 @@ The pipeline is ``model -> tree -> profile -> plan -> wrapped model``::
 
 Where things live: ``tree`` (claim 1), ``costs/`` (recording a step and the cost model),
 ``solver`` and ``planning_tree`` (the budget solver and its input), ``strategies/`` (one file
-per strategy), ``plans`` (the Plan and its JSON), ``planner`` (``plan()``), ``wrap`` (claim 4),
-``measurement`` (``measure()``).
+per strategy), ``plans`` (the Plan and its JSON), ``planner`` (``plan()``), ``wrap`` (claim 4)
+and ``replay`` (what a recompute sees), ``measurement`` (``measure()``), ``compiled``
+(``torch.compile``d models).
 """
 
+from autoremat.compile_plan import plan_for_compile
 from autoremat.costs import NodeCost, Profile, WayCost, profile
 from autoremat.distributed import broadcast_plan
 from autoremat.measurement import Measurement, measure
 from autoremat.memory import LiveMemory
 from autoremat.planner import lowest_budget, plan
 from autoremat.plans import Choice, Plan
+from autoremat.replay import is_recomputing
 from autoremat.step import default_loss
 from autoremat.strategies.budget import BudgetTooLow
 from autoremat.tree import ExampleInputsError, Node, TensorInfo, build_tree
@@ -42,9 +45,11 @@ __all__ = [
     "broadcast_plan",
     "build_tree",
     "default_loss",
+    "is_recomputing",
     "lowest_budget",
     "measure",
     "plan",
+    "plan_for_compile",
     "profile",
     "remove",
     "wrapped_paths",

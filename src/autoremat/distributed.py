@@ -73,7 +73,8 @@ def broadcast_plan(plan: Plan | None, src: int = 0, group: Any = None) -> Plan:
         RuntimeError: ``torch.distributed`` is not available, or no process group is
             initialised (call ``torch.distributed.init_process_group`` first).
         ValueError: rank ``src`` passed something other than a :class:`Plan` (``None``,
-            say). It raises on every rank, not only on ``src``: the broadcast still takes
+            say), or a plan the other ranks could not load (one built by hand, without a
+            fingerprint). It raises on every rank, not only on ``src``: the broadcast still takes
             place, so no rank is left waiting. Also raised on a rank that is not in
             ``group`` (torch skips the broadcast there).
         Exception: whatever ``broadcast_object_list`` raises (``src`` not in ``group``, a
@@ -82,10 +83,7 @@ def broadcast_plan(plan: Plan | None, src: int = 0, group: Any = None) -> Plan:
     _require_process_group()
     payload: list[Any] = [None]
     if dist.get_rank() == src:
-        if isinstance(plan, Plan):
-            payload = [("plan", plan.to_dict())]
-        else:
-            payload = [("error", type(plan).__name__)]
+        payload = [_outgoing(plan)]
     dist.broadcast_object_list(payload, src=src, group=group)
     data = _received(payload, src)
     if dist.get_rank() == src:
@@ -107,6 +105,19 @@ def _require_process_group() -> None:
         )
 
 
+def _outgoing(plan: Any) -> tuple[str, Any]:
+    """What rank ``src`` broadcasts: the plan's dict, checked as the other ranks will load it
+    (a plan without a fingerprint is refused there), or why there is none."""
+    if not isinstance(plan, Plan):
+        return ("error", f"{type(plan).__name__}, not a Plan")
+    data = plan.to_dict()
+    try:
+        Plan.from_dict(data)
+    except ValueError as exc:
+        return ("error", f"a plan the other ranks cannot load ({exc})")
+    return ("plan", data)
+
+
 def _received(payload: list[Any], src: int) -> Any:
     """The plan data rank ``src`` broadcast, or the ``ValueError`` every rank raises when it
     sent none (or this rank was outside the group)."""
@@ -118,7 +129,7 @@ def _received(payload: list[Any], src: int) -> Any:
     kind, data = payload[0]
     if kind == "error":
         raise ValueError(
-            f"autoremat.broadcast_plan: rank {src} (the src rank) passed {data}, not a Plan; "
+            f"autoremat.broadcast_plan: rank {src} (the src rank) passed {data}; "
             f"make the plan on rank {src} (autoremat.plan(model, ...)) and pass it there"
         )
     return data

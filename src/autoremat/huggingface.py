@@ -6,21 +6,25 @@ wrapped its Hugging Face modules are called with ``use_cache=False`` while train
 gradients, as Hugging Face's own gradient checkpointing does (one warning per class on the
 ``autoremat`` logger); inference keeps its cache. The profile records the same cache-less step
 (:func:`cache_off_in_training`).
+
+The hook is found by what it is, not by a handle kept aside: on a deep copy of a hooked model
+(which carries a copy of the hook) :func:`remove_cache_hooks` finds and removes it too. A pickle
+of a hooked model (``torch.save``) leaves it out (:func:`autoremat.classes.pickle_as_plain`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 import sys
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from autoremat.classes import Hook, pickle_as_plain, stop_pickling_as_plain
 
 __all__ = [
     "cache_off_in_training",
@@ -31,8 +35,29 @@ __all__ = [
 
 logger = logging.getLogger("autoremat")
 
-# model -> the handle of its use_cache=False pre-hook, for turn_cache_off_in_training's models
-_cache_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+class _CacheOff(Hook):
+    """The ``use_cache=False`` pre-hook. ``lasting``: registered by
+    :func:`turn_cache_off_in_training` (and removed by :func:`remove_cache_hooks`), not for
+    the time of :func:`cache_off_in_training`."""
+
+    __slots__ = ("index", "lasting", "warn")
+
+    def __init__(self, index: int, *, warn: bool, lasting: bool) -> None:
+        self.index = index
+        self.warn = warn
+        self.lasting = lasting
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        return _no_cache_pre_hook(module, args, kwargs, index=self.index, warn=self.warn)
+
+
+def _lasting_hooks(m: nn.Module) -> list[int]:
+    """The ids of the lasting :class:`_CacheOff` hooks on ``m`` (found in its hook dictionary,
+    so also on a copy of a hooked module)."""
+    return [i for i, h in m._forward_pre_hooks.items() if isinstance(h, _CacheOff) and h.lasting]
 
 
 def is_pretrained_model(model: nn.Module) -> bool:
@@ -59,21 +84,31 @@ def _use_cache_index(m: nn.Module) -> int | None:
 def turn_cache_off_in_training(model: nn.Module, warn: bool = True) -> None:
     """Register a pre-hook on each Hugging Face-style model inside ``model`` that turns the
     cache off while training with gradients (with ``warn``, one warning per class on the
-    ``autoremat`` logger). :func:`remove_cache_hooks` takes the hooks off."""
+    ``autoremat`` logger). :func:`remove_cache_hooks` takes the hooks off. A module that has
+    the hook already (also one deep-copied from a hooked module) gets no second one.
+
+    A hooked module pickles without the hook (``pickle``, ``torch.save``: the plain model) and
+    deep-copies with it (:func:`autoremat.classes.pickle_as_plain`)."""
     for m in model.modules():
         index = _use_cache_index(m)
-        if m in _cache_hooks or index is None:
+        if index is None or _lasting_hooks(m):
             continue
-        hook = functools.partial(_no_cache_pre_hook, index=index, warn=warn)
-        _cache_hooks[m] = m.register_forward_pre_hook(hook, with_kwargs=True)
+        hook = _CacheOff(index, warn=warn, lasting=True)
+        m.register_forward_pre_hook(hook, with_kwargs=True)
+        pickle_as_plain(m)
 
 
 def remove_cache_hooks(model: nn.Module) -> None:
-    """Undo :func:`turn_cache_off_in_training` for every module of ``model``."""
+    """Undo :func:`turn_cache_off_in_training` for every module of ``model``, wherever the
+    hooks came from (registered on it, or copied with it by ``copy.deepcopy``)."""
     for m in model.modules():
-        handle = _cache_hooks.pop(m, None)
-        if handle is not None:
-            handle.remove()
+        found = _lasting_hooks(m)
+        for i in found:
+            # what RemovableHandle.remove does, without the handle
+            del m._forward_pre_hooks[i]
+            m._forward_pre_hooks_with_kwargs.pop(i, None)
+        if found:
+            stop_pickling_as_plain(m)
 
 
 @contextlib.contextmanager
@@ -85,8 +120,8 @@ def cache_off_in_training(model: nn.Module) -> Iterator[None]:
     handles = []
     for m in model.modules():
         index = _use_cache_index(m)
-        if m not in _cache_hooks and index is not None:
-            hook = functools.partial(_no_cache_pre_hook, index=index, warn=False)
+        if index is not None and not _lasting_hooks(m):
+            hook = _CacheOff(index, warn=False, lasting=False)
             handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         yield
@@ -113,13 +148,20 @@ def _no_cache_pre_hook(
         return None
     else:
         kwargs = {**kwargs, "use_cache": False}
-    if warn:
+    if warn and not torch.compiler.is_compiling():
         _warn_once(type(module).__name__)
     return args, kwargs
 
 
-@functools.cache
+_warned: set[str] = set()
+
+
 def _warn_once(name: str) -> None:
+    """Log the ``use_cache`` warning once per class (not from code dynamo traces: it would
+    trace the logging call)."""
+    if name in _warned:
+        return
+    _warned.add(name)
     logger.warning(
         "%s is called with use_cache=False while training: a key/value cache would be "
         "updated again when wrapped modules are recomputed (Hugging Face's own gradient "

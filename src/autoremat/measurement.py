@@ -17,6 +17,21 @@ fails on ``meta``.
 
 See :class:`Measurement` for the exact definitions, and :mod:`autoremat.memory` for what
 the memory tracker cannot see (scratch buffers inside kernels, allocator rounding).
+
+Memory trackers (``measure(memory=...)``): ``"tensors"`` is
+:class:`~autoremat.memory.LiveMemory`; ``"allocator"`` what the allocator reports
+(:class:`~autoremat.memory.CudaMemory` on CUDA, what an out-of-memory error is about;
+:class:`~autoremat.memory.CpuAllocatorMemory` on CPU); ``"auto"`` (the default) is the
+allocator on CUDA and for a compiled model, tensors otherwise.
+
+A model compiled by ``torch.compile`` (an ``OptimizedModule``, or any submodule compiled in
+place with ``Module.compile()``) is measured by the allocator: on CPU
+:class:`autoremat.memory.CpuAllocatorMemory` (the profiler's memory events), on CUDA
+:class:`~autoremat.memory.CudaMemory`. A dispatch mode would make dynamo run the model eagerly
+and measure the eager step instead (and, in torch 2.13, never compile it again:
+:mod:`autoremat.compiled`). The step should be warm (compiled before), or the compile's own
+memory is counted. Its ``flops`` are then those of the eager step (``FlopCounterMode`` runs
+with the model forced eager): the compiled graphs may recompute other ops.
 """
 
 from __future__ import annotations
@@ -30,13 +45,19 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from autoremat.memory import CudaMemory, LiveMemory
+from autoremat.compiled import is_compiled, running_eagerly
+from autoremat.memory import CpuAllocatorMemory, CudaMemory, LiveMemory
 from autoremat.nested import iter_tensors
 from autoremat.sizes import format_size
 from autoremat.snapshot import preserved
 from autoremat.step import LossFn, default_loss, leaf_inputs, train_step
 
-__all__ = ["Measurement", "measure"]
+__all__ = ["MEMORY", "Measurement", "measure"]
+
+# What measure(memory=...) accepts: "tensors" (LiveMemory, storages the step's ops return),
+# "allocator" (what the device allocator reports) and "auto" (the allocator on CUDA and for a
+# compiled model, tensors otherwise).
+MEMORY = ("auto", "tensors", "allocator")
 
 
 @dataclass(frozen=True)
@@ -82,28 +103,28 @@ def measure(
     *,
     loss_fn: LossFn | None = None,
     repeats: int = 1,
+    memory: str = "auto",
 ) -> Measurement:
     """Measure one training step of ``model(*args, **kwargs)``.
 
     The step: every parameter's ``.grad`` set to ``None``, ``output = model(*args, **kwargs)``,
     ``loss = loss_fn(output)`` (:func:`~autoremat.step.default_loss` when ``loss_fn`` is None),
     ``loss.backward()``. It runs in the model's current mode (``train()``/``eval()``) with
-    gradients enabled, once under :class:`~autoremat.memory.LiveMemory` (for ``peak`` and
-    ``saved``; :class:`~autoremat.memory.CudaMemory`, the allocator's statistics, when the
-    model or inputs are on CUDA), once under ``FlopCounterMode`` (for ``flops``), then
-    ``repeats`` times without either (for ``seconds``). Every run starts from the same global
-    RNG state, so dropout draws the same masks in each, and from ``.grad = None`` also for
-    input tensors that are leaves requiring grad. ``args`` may be a single tensor.
+    gradients enabled, once under a memory tracker (for ``peak`` and ``saved``: ``memory``, one
+    of :data:`MEMORY`, see the module docstring), once under ``FlopCounterMode`` (for
+    ``flops``), then ``repeats`` times without either (for ``seconds``). Every run starts from
+    the same global RNG state, so dropout draws the same masks in each, and from
+    ``.grad = None`` also for leaf inputs requiring grad. ``args`` may be a single tensor.
 
     The model is left as found: buffers (BatchNorm statistics included), ``.grad`` of every
     parameter and of every leaf input that requires grad (the same tensor objects, or None),
-    training flags and the global RNG state are restored, also when the step raises.
-    Parameters are not changed by a step (no optimizer runs). :class:`Measurement` defines
-    the figures; the module docstring says what they are on the ``meta`` device.
+    training flags and the global RNG state are restored, also when the step raises (no
+    optimizer runs). :class:`Measurement` defines the figures.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: ``repeats`` is below 1; ``loss_fn`` returned something other than a tensor
+        ValueError: ``repeats`` is below 1; ``memory`` not one of :data:`MEMORY`, or
+            ``"tensors"`` for a compiled model; ``loss_fn`` returned something other than a tensor
             with a single element (reduce it with ``.sum()``/``.mean()``); the loss does not
             require grad (nothing to backpropagate); :func:`default_loss` found no
             floating-point tensor in the output.
@@ -122,19 +143,37 @@ def measure(
     # Memory and FLOPs come from two runs: FlopCounterMode's module tracker keeps the autograd
     # nodes of checkpoint recomputes alive (their recomputed activations with them) until it
     # exits, which would inflate the peak of a checkpointed model.
-    # On CUDA, the allocator's own statistics (what an out-of-memory error is about).
     cuda = _uses_cuda(model, args, kwargs)
-    tracker: LiveMemory | CudaMemory = CudaMemory() if cuda else LiveMemory()
-    with preserved(model, inputs), tracker as memory:
-        run(after_forward=lambda: memory.snapshot("forward"))
-    with preserved(model, inputs), FlopCounterMode(display=False) as flops:
+    tracker = _tracker(memory, model, cuda)
+    with preserved(model, inputs), tracker as tracked:
+        run(after_forward=lambda: tracked.snapshot("forward"))
+    with preserved(model, inputs), running_eagerly(model), FlopCounterMode(display=False) as flops:
         run()
     return Measurement(
-        peak=memory.peak,
-        saved=memory.marks["forward"],
+        peak=tracked.peak,
+        saved=tracked.marks["forward"],
         flops=flops.get_total_flops(),
         seconds=_median_seconds(run, model, inputs, cuda, repeats),
     )
+
+
+def _tracker(memory: str, model: nn.Module, cuda: bool) -> Any:
+    """The memory tracker ``memory`` names for this model (see :func:`measure`)."""
+    if memory not in MEMORY:
+        raise ValueError(f"memory must be one of {', '.join(MEMORY)}, got {memory!r}")
+    compiled = is_compiled(model)
+    if memory == "tensors" and compiled:
+        raise ValueError(
+            "memory='tensors' cannot measure a compiled model (dynamo would run it eagerly "
+            "under the tracker); use memory='allocator' or 'auto'"
+        )
+    if memory == "tensors":
+        return LiveMemory()
+    if cuda:
+        return CudaMemory()
+    if memory == "allocator" or compiled:
+        return CpuAllocatorMemory()
+    return LiveMemory()
 
 
 def _median_seconds(

@@ -35,11 +35,14 @@ What it does not count
       (``FlopCounterMode`` decomposes ops it has no formula for). Measure alone.
     * Allocator behaviour: these are storage bytes, not allocator blocks. The CUDA caching
       allocator rounds to 512-byte blocks and fragments; CPU allocators align. Use
-      :class:`CudaMemory` for what the CUDA allocator reports.
+      :class:`CudaMemory` for what the CUDA allocator reports, :class:`CpuAllocatorMemory` for
+      what the CPU allocator reports.
     * Tensors created without an op the dispatcher sees (``torch.from_numpy``, storages made
       directly with ``torch.UntypedStorage(...)``), ``UntypedStorage.resize_`` called directly
-      (FSDP does this), sparse tensors and other tensors without a storage, and code compiled
-      by ``torch.compile`` (not checked).
+      (FSDP does this), sparse tensors and other tensors without a storage. Code compiled by
+      ``torch.compile`` is not seen at all: dynamo runs a model eagerly while a dispatch mode
+      is active, so this mode would measure the eager model. Measure a compiled model with
+      :class:`CpuAllocatorMemory` or :class:`CudaMemory`.
     * Python garbage: a storage held by a reference cycle counts until the garbage collector
       frees it, which is what the allocator sees too.
 
@@ -56,7 +59,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CudaMemory", "LiveMemory"]
+__all__ = ["CpuAllocatorMemory", "CudaMemory", "LiveMemory"]
 
 # Ops that return a tensor made outside the dispatcher (torch.tensor(...) data) as their output.
 _FRESH_OPS = frozenset({torch.ops.aten.lift_fresh.default})
@@ -234,3 +237,69 @@ class CudaMemory:
         if label is not None:
             self.marks[label] = value
         return value
+
+
+_MARK = "autoremat.memory.mark:"
+
+
+class CpuAllocatorMemory:
+    """What the CPU allocator reports, from the profiler's memory events, with the interface
+    of :class:`CudaMemory`: for code no dispatch mode may watch (a ``torch.compile``d model,
+    whose generated kernels allocate straight from the allocator).
+
+    On entry it starts ``torch.profiler.profile(activities=[CPU], profile_memory=True)``; on
+    exit it replays the allocator's events (every allocation and free of CPU memory, with its
+    size in bytes as requested, on every thread the profiler follows: a CPU backward runs on
+    the calling thread) in time order. ``current`` and ``peak`` are bytes above the start,
+    known once the block has exited; memory allocated before the block and freed inside
+    counts negative, as with ``memory_allocated``. :meth:`snapshot` leaves a mark in the
+    profile; its value is in ``marks`` after exit.
+
+    Not for use inside another ``torch.profiler`` session (the profiler raises). Sizes are the
+    bytes asked for, not the allocator's aligned blocks.
+    """
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self.marks: dict[str, int] = {}
+        self._labels: list[str] = []
+        self._profile: Any = None
+
+    def __enter__(self) -> CpuAllocatorMemory:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.current = self.peak = 0
+        self.marks, self._labels = {}, []
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def snapshot(self, label: str | None = None) -> None:
+        """Mark this point; with a label, ``marks[label]`` holds the bytes above the start
+        here once the block has exited."""
+        if label is not None:
+            with torch.profiler.record_function(_MARK + label):
+                pass
+
+    def __exit__(self, *exc: object) -> None:
+        self._profile.__exit__(*exc)
+        events = self._profile.profiler.kineto_results.events()
+        changes = sorted(
+            (e.start_ns(), e.nbytes())
+            for e in events
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        )
+        marks = sorted((e.start_ns(), e.name()[len(_MARK) :]) for e in events if _MARK in e.name())
+        self._profile = None
+        current = peak = 0
+        k = 0
+        for when, delta in changes:
+            while k < len(marks) and marks[k][0] < when:
+                self.marks[marks[k][1]] = current
+                k += 1
+            current += delta
+            peak = max(peak, current)
+        for _, label in marks[k:]:
+            self.marks[label] = current
+        self.current, self.peak = current, peak

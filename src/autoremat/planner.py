@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from autoremat.compiled import running_eagerly
 from autoremat.costs import profile
 from autoremat.plans import Plan, fingerprint, structure
 from autoremat.step import LossFn
@@ -94,14 +95,17 @@ def _strategy_for(request: Request) -> tuple[Strategy, Request]:
 def _evidence(
     strategy: Strategy, model: nn.Module, args: Any, kwargs: Any, request: Request
 ) -> tuple[Any, Node]:
-    """What ``strategy`` needs of the model (its tree, or a profile), and the tree."""
+    """What ``strategy`` needs of the model (its tree, or a profile), and the tree. A compiled
+    model runs eagerly meanwhile (:mod:`autoremat.compiled`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if strategy.needs == "profile":
-        prof = profile(model, args, kwargs, loss_fn=request.loss_fn)
+        with running_eagerly(model):
+            prof = profile(model, args, kwargs, loss_fn=request.loss_fn)
         _require_submodules(model, prof.tree)
         return prof, prof.tree
-    tree = build_tree(model, args, kwargs)
+    with running_eagerly(model):
+        tree = build_tree(model, args, kwargs)
     _require_submodules(model, tree)
     return tree, tree
 

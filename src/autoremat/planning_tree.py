@@ -2,8 +2,9 @@
 node of the tree, priced, with the modules that cannot be candidates marked.
 
 This is where the budget strategy's view of a model is decided: which nodes are candidates
-(a module whose calls interleave with a sibling's, a TorchScript module or one whose forward
-was replaced on the instance are not), which ways each can be recomputed (whole, a run of a
+(a module whose calls interleave with a sibling's, a TorchScript module, one whose forward
+was replaced on the instance, and one that cannot be recomputed exactly,
+``Node.recompute_reason``, are not), which ways each can be recomputed (whole, a run of a
 Sequential's children, each selective way that differs), and what each costs: seconds
 (``objective="time"``) or FLOPs (``"flops"``).
 """
@@ -34,8 +35,11 @@ def planning_tree(
     order they ended. A module called several times whose calls interleave with a sibling's
     (a dropout used after attention and after the MLP), and its descendants, are not
     candidates: the cost model places each node at one span. Modules that cannot be wrapped
-    are not candidates either. With ``selective``, each candidate has other ways to be
-    recomputed: selectively, in each way of :data:`autoremat.selective.WAYS` that differs
+    or recomputed exactly (``Node.recompute_reason``: Python state their forward changes, an
+    input changed in place) are not candidates either, nor are runs of a Sequential's children
+    that hold a child whose forward changes Python state or start at one whose input is changed
+    in place. With ``selective``, each candidate has other ways to be recomputed:
+    selectively, in each way of :data:`autoremat.selective.WAYS` that differs
     (:attr:`Item.other_ways`). With ``objective="time"`` each way is priced by its measured
     time (:class:`~autoremat.costs.NodeCost` ``op_seconds`` and the profile's per-op
     overheads), so cheap in FLOPs is not taken for free in time; with ``"flops"``, by FLOPs
@@ -89,7 +93,7 @@ class _Builder:
 
     def build(self, node: Node, allowed: bool, why: str) -> Item:
         cost = self.prof[node.path]
-        reason = unwrappable_reason(node.module)
+        reason = unwrappable_reason(node.module) or node.recompute_reason
         if cost.freed > 0 and (why or (allowed and reason)):
             self.skipped[node.path] = why or reason  # type: ignore[assignment]
         kids = sorted(node.children, key=lambda c: self.prof[c.path].end)
@@ -116,6 +120,9 @@ class _Builder:
         )
 
     def runs(self, cost: NodeCost, kids: list[Node]) -> tuple[tuple[int, int, int, int, int], ...]:
+        """The runs of ``cost`` that can be recomputed exactly: none of their children changes
+        Python state, and the first one's inputs are not changed in place (the run's inputs;
+        the others' are made inside the run)."""
         return tuple(
             (
                 r.i,
@@ -125,6 +132,7 @@ class _Builder:
                 r.recompute_peak + sum(_buffer_bytes(c.module) for c in kids[r.i : r.j]),
             )
             for r in cost.runs
+            if not kids[r.i].inplace_reason and not any(c.replay_reason for c in kids[r.i : r.j])
         )
 
     def other_ways(self, node: Node, cost: NodeCost) -> tuple[Item, ...]:

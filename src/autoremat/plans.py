@@ -9,9 +9,11 @@ is refused. :meth:`Plan.save` and :meth:`Plan.load` write and read it as JSON
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +21,12 @@ from torch import nn
 
 from autoremat import wrap
 from autoremat.classes import own_class
-from autoremat.entries import covered
+from autoremat.entries import covered, parse_run, run_entry
 from autoremat.selective import FULL, WAYS
 from autoremat.sizes import format_size
 from autoremat.tree import Node
 
-__all__ = ["FORMAT", "Choice", "Plan", "fingerprint", "structure"]
+__all__ = ["FORMAT", "Choice", "Plan", "fingerprint", "structure", "structure_fingerprint"]
 
 # The "format" of a saved plan; Plan.load refuses others.
 FORMAT = "autoremat.plan/1"
@@ -39,7 +41,17 @@ def structure(model: nn.Module) -> tuple[str, ...]:
 
 def fingerprint(model: nn.Module) -> str:
     """A short hash of :func:`structure`: equal for models built the same way."""
-    return hashlib.sha256("\n".join(structure(model)).encode()).hexdigest()[:16]
+    return structure_fingerprint(structure(model))
+
+
+def structure_fingerprint(lines: Sequence[str]) -> str:
+    """The :func:`fingerprint` of a model whose :func:`structure` is ``lines``: 16 hex
+    digits.
+
+    Raises:
+        UnicodeEncodeError: a line holds a lone surrogate (never a model's structure).
+    """
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,13 @@ class Plan:
     without it (bytes, as :func:`autoremat.measure` defines ``peak``), and the FLOPs and
     seconds its recomputes add (seconds as profiled: the recomputed ops' time plus
     checkpoint's per-op overheads); its ``objective`` is what it minimised (``"time"`` or
-    ``"flops"``). ``print(plan)`` shows the choice and the tree with it marked ``*``.
+    ``"flops"``). ``compiled_peak``: the allocator's peak measured under ``torch.compile``
+    (:func:`autoremat.plan_for_compile`), else ``None``. ``left_out`` maps each module the
+    strategy would have considered but left out to the reason (it cannot be recomputed
+    exactly or at all: Python state its forward changes, an input changed in place, calls
+    interleaved with a sibling's, TorchScript): for a budget plan those that would have freed
+    memory, for a levels plan those the walk met; empty when none. ``print(plan)`` shows the
+    choice, what was left out and the tree with the choice marked ``*``.
     """
 
     modules: tuple[str, ...]
@@ -79,8 +97,10 @@ class Plan:
     recompute_flops: int | None = None
     objective: str | None = None
     recompute_seconds: float | None = None
+    compiled_peak: int | None = None
     choices: tuple[Choice, ...] = ()
     selective: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
+    left_out: dict[str, str] = field(default_factory=dict, hash=False)
     fingerprint: str | None = None
     structure: tuple[str, ...] = field(default=(), repr=False)
     tree: Node | None = field(default=None, repr=False, compare=False)
@@ -118,19 +138,18 @@ class Plan:
         )
 
     def _differences(self, now: tuple[str, ...]) -> list[str]:
-        have = {line.split(" ", 1)[0] for line in now}
-        wanted = {e for m in self.modules for e in covered(m)}
-        missing = sorted(p for p in wanted if p not in have)
+        missing, count = _missing(self.modules, [line.rpartition(" ")[0] for line in now])
         gone = sorted(set(self.structure) - set(now))
         new = sorted(set(now) - set(self.structure))
 
-        def names(lines: list[str]) -> str:
+        def names(lines: list[str], total: int | None = None) -> str:
+            total = len(lines) if total is None else total
             shown = ", ".join(repr(x if x[:1] != " " else "(root)" + x) for x in lines[:5])
-            return shown + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
+            return shown + (f" and {total - 5} more" if total > 5 else "")
 
         detail = []
         if missing:
-            detail.append(f"the plan's modules {names(missing)} no longer exist")
+            detail.append(f"the plan's modules {names(missing, count)} no longer exist")
         if gone:
             detail.append(f"modules no longer there: {names(gone)}")
         if new:
@@ -158,13 +177,19 @@ class Plan:
                 for c in self.choices
             ],
             "selective": {path: list(ops) for path, ops in self.selective.items()},
+            "left_out": dict(self.left_out),
             "structure": list(self.structure),
         }
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
-        """The plan :meth:`to_dict` gave. Raises ``ValueError`` naming the field that is
-        missing or of the wrong type."""
+        """The plan :meth:`to_dict` gave, validated as :meth:`load` validates a file (so a
+        plan without a ``fingerprint`` is refused).
+
+        Raises:
+            ValueError: a field is missing or wrong; the message names it
+                (:func:`autoremat.plan_json.plan_from_dict`).
+        """
         from autoremat.plan_json import plan_from_dict
 
         return plan_from_dict(data)
@@ -180,19 +205,19 @@ class Plan:
         """Read a plan :meth:`save` wrote. :meth:`apply` then refuses a model whose module
         structure changed since the plan was made.
 
-        Raises:
-            ValueError: the file is not JSON, or not a plan of this format (the message names
-                the field).
-        """
-        from autoremat.plan_json import plan_from_dict
+        The file is read and checked in time and memory linear in its size, and at most
+        :data:`autoremat.plan_json.MAX_PLAN_BYTES` (8 MiB) of it; nothing is looked up or
+        created in ``torch.ops``. See :mod:`autoremat.plan_json` for what is checked.
 
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"{os.fspath(path)!r} is not a saved plan: not JSON ({e})") from None
-        return plan_from_dict(data, where=repr(os.fspath(path)))
+        Raises:
+            ValueError: the file is too large, not JSON, nested too deep, or not a plan of
+                this format: a field missing or wrong (the message names it), no fingerprint,
+                or one that is not the hash of the plan's structure.
+            OSError: the file cannot be read.
+        """
+        from autoremat.plan_json import plan_from_file
+
+        return plan_from_file(path)
 
     def table(self) -> str:
         """The chosen entries with what each frees and adds, and the predicted peak."""
@@ -249,4 +274,45 @@ class Plan:
         count = len(self.modules)
         head = f"Plan for {self.model_class} ({how}): recompute {count} module{'s' * (count != 1)}"
         lines = [head, self.table()] if self.modules or self.strategy == "budget" else [head]
+        if self.left_out:
+            count = len(self.left_out)
+            lines.append(f"left out ({count} module{'s' * (count != 1)}):")
+            lines += [f"  {p or '(root)'}: {why}" for p, why in list(self.left_out.items())[:10]]
+            lines += [f"  ... and {count - 10} more"] if count > 10 else []
         return "\n".join(lines)
+
+
+def _missing(entries: Sequence[str], paths: Sequence[str]) -> tuple[list[str], int]:
+    """The first (sorted) few of the module paths ``entries`` cover (:func:`covered`) that are
+    not among ``paths``, and how many there are in all. Runs are not expanded: the children
+    they cover that are present are counted by index, and at most 5 missing ones are named."""
+    have = set(paths)
+    indices: dict[str, list[int]] = {}
+    for path in paths:
+        parent, _, name = path.rpartition(".")
+        if name.isascii() and name.isdigit() and len(name) < 19 and str(int(name)) == name:
+            indices.setdefault(parent, []).append(int(name))
+    for found in indices.values():
+        found.sort()
+    shown: list[str] = []
+    count = 0
+    for entry in dict.fromkeys(entries):
+        run = parse_run(entry)
+        if run is None:
+            if entry not in have:
+                shown.append(entry)
+                count += 1
+            continue
+        parent, i, j = run
+        present = indices.get(parent, [])
+        lo, hi = bisect.bisect_left(present, i), bisect.bisect_left(present, j)
+        count += max(j - i, 0) - (hi - lo)
+        k, named = i, 0
+        while k < j and named < 5:
+            if lo < hi and present[lo] == k:
+                lo += 1
+            else:
+                shown.append(covered(run_entry(parent, k, k + 1))[0])
+                named += 1
+            k += 1
+    return sorted(shown)[:5], count

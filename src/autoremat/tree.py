@@ -21,6 +21,7 @@ from torch import nn
 
 from autoremat.classes import own_class
 from autoremat.nested import iter_tensors, run_model
+from autoremat.side_effects import ReplayCheck
 from autoremat.snapshot import preserved
 
 __all__ = ["ExampleInputsError", "Node", "TensorInfo", "build_tree", "tensor_infos"]
@@ -50,6 +51,12 @@ class Node:
 
     ``inputs`` and ``outputs`` describe the module's first call; ``calls`` counts how many times
     its ``forward`` ran during one forward pass of the model (more than one for shared modules).
+
+    ``replay_reason`` says why recomputing the module would not replay its forward (a Python
+    attribute of it or of a module inside it changes during the forward); a module around it
+    has one too. ``inplace_reason`` says why checkpointing the module would fail backward (an
+    input of it is changed in place after its call began); that concerns its boundary only.
+    Both are ``None`` when nothing was seen (:mod:`autoremat.side_effects`).
     """
 
     name: str
@@ -59,6 +66,14 @@ class Node:
     inputs: tuple[TensorInfo, ...] = ()
     outputs: tuple[TensorInfo, ...] = ()
     calls: int = 0
+    replay_reason: str | None = None
+    inplace_reason: str | None = None
+
+    @property
+    def recompute_reason(self) -> str | None:
+        """Why this module cannot be recomputed on its own (``replay_reason``, else
+        ``inplace_reason``), or ``None``."""
+        return self.replay_reason or self.inplace_reason
 
     @property
     def is_leaf(self) -> bool:
@@ -152,7 +167,14 @@ def build_tree(
     This is claim 1 of the method: extraction of the computation modules and creation of the
     multi-way tree. The forward pass runs without gradients and the model is left exactly as it
     was found (buffers such as BatchNorm statistics, training mode, gradients, the global RNG
-    state; see :func:`autoremat.snapshot.preserved`). ``args`` may be a single tensor.
+    state; see :func:`autoremat.snapshot.preserved`; Python attributes a forward changes are
+    not put back). ``args`` may be a single tensor. The same run finds what a recompute of each
+    module could not replay (``Node.replay_reason`` and ``inplace_reason``;
+    :mod:`autoremat.side_effects`: about three look-ups of each module's attributes, no
+    tensor copied, each module's tensor arguments held until its caller returns). When that
+    forward changed Python state, a second one runs with a detailed look (about the number
+    of modules times the tree's depth in look-ups), and what it finds is kept (a first
+    forward may set things up once).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -161,22 +183,21 @@ def build_tree(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    calls = _Calls({id(m): p for p, m in model.named_modules()})
+    paths = {id(m): p for p, m in model.named_modules()}
+    calls = _Calls(paths, ReplayCheck(paths, detailed=False))
     handles = []
     try:
         for m in dict.fromkeys(model.modules()):
             handles.append(m.register_forward_pre_hook(calls.pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(calls.post_hook, with_kwargs=True))
         with preserved(model), torch.no_grad():
-            try:
-                run_model(model, args, kwargs)
-            except Exception as exc:
-                where = calls.running[-1] if calls.running else ""
-                raise ExampleInputsError(
-                    f"the example inputs failed in the forward pass of module "
-                    f"{where or '(root)'!r} ({type(exc).__name__}: {exc}); pass args/kwargs "
-                    f"that model(*args, **kwargs) accepts"
-                ) from exc
+            _run(calls, model, args, kwargs)
+            if calls.check.replay:
+                # Python state changed: perhaps only a first forward's lazy set-up (a
+                # classification head's config.problem_type). What a recompute would see in
+                # training is what a second forward changes; look at it in detail.
+                calls.recording, calls.check = False, ReplayCheck(paths, detailed=True)
+                _run(calls, model, args, kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -184,11 +205,29 @@ def build_tree(
     return root
 
 
-class _Calls:
-    """The forward hooks of :func:`build_tree`: which modules ran, how often, with what I/O."""
+def _run(calls: _Calls, model: nn.Module, args: Any, kwargs: Any) -> None:
+    """One forward under the hooks of ``calls``, then its replay check's end; a failure is
+    an :class:`ExampleInputsError` naming the module where it arose."""
+    try:
+        run_model(model, args, kwargs)
+    except Exception as exc:
+        where = calls.running[-1] if calls.running else ""
+        raise ExampleInputsError(
+            f"the example inputs failed in the forward pass of module "
+            f"{where or '(root)'!r} ({type(exc).__name__}: {exc}); pass args/kwargs "
+            f"that model(*args, **kwargs) accepts"
+        ) from exc
+    calls.check.finish()  # before the model's state is put back
 
-    def __init__(self, paths: dict[int, str]) -> None:
+
+class _Calls:
+    """The forward hooks of :func:`build_tree`: which modules ran, how often, with what I/O,
+    and what a recompute of each could not replay (``check``)."""
+
+    def __init__(self, paths: dict[int, str], check: ReplayCheck) -> None:
         self.paths = paths
+        self.check = check
+        self.recording = True  # False: a second forward, for the check only
         self.calls: dict[int, int] = {}
         self.first_io: dict[int, tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]] = {}
         self.pending: dict[int, tuple[TensorInfo, ...]] = {}
@@ -197,6 +236,9 @@ class _Calls:
     def pre_hook(self, module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
         key = id(module)
         self.running.append(self.paths.get(key, "?"))
+        self.check.enter(module, a, kw)
+        if not self.recording:
+            return
         self.calls[key] = self.calls.get(key, 0) + 1
         if self.calls[key] == 1:
             self.pending[key] = tuple(tensor_infos(a, "args") + tensor_infos(kw, "kwargs"))
@@ -204,6 +246,7 @@ class _Calls:
     def post_hook(self, module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any], out: Any):
         key = id(module)
         self.running.pop()
+        self.check.leave(module, out)
         if key in self.pending:
             self.first_io[key] = (self.pending.pop(key), tuple(tensor_infos(out, "out")))
 
@@ -228,5 +271,7 @@ class _Calls:
                 inputs=inputs,
                 outputs=outputs,
                 calls=self.calls.get(key, 0),
+                replay_reason=self.check.replay.get(key),
+                inplace_reason=self.check.inplace.get(key),
             )
         ]

@@ -28,24 +28,47 @@ What the wrapped ``forward`` guarantees beyond ``checkpoint`` itself:
 * Hugging Face models (modules with a ``config.use_cache`` and a ``use_cache`` argument) are
   called with ``use_cache=False`` while training with gradients enabled, as Hugging Face's own
   gradient checkpointing does; a warning is logged once.
+
+Saving and copying a wrapped model:
+
+* ``pickle.dumps(model)`` and ``torch.save(model)`` (of the model or any module in it) save
+  the model as it was before :func:`apply`: the modules' own classes, without autoremat's
+  attributes or its ``use_cache`` hook (:func:`autoremat.classes.reduce_as_plain`). Loading
+  needs no autoremat and gives the plain model (apply the plan again to wrap it).
+  ``state_dict()`` keys are those of the unwrapped model, so ``torch.save(model.state_dict())``
+  and ``load_state_dict`` work either way.
+* ``copy.deepcopy(model)`` (and ``copy.copy`` of a wrapped module) gives a *wrapped* copy: same
+  entries, same selective ops, same hook, ready to train (an EMA or teacher copy behaves as the
+  original). :func:`remove` on the copy undoes all of it on the copy only.
+* ``save_pretrained`` of a wrapped module that has one (a wrapped Hugging Face root, plan entry
+  ``""``) runs with the module's own class for the duration of the call, so ``config.json``
+  names the original architecture (``GPT2LMHeadModel``, not ``CheckpointedGPT2LMHeadModel``).
+  Class names stay ``Checkpointed<Class>`` otherwise (in ``repr``, in errors).
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
-from torch.utils.checkpoint import CheckpointError, checkpoint
+from torch.utils.checkpoint import checkpoint
 
 from autoremat import huggingface, selective
-from autoremat.classes import BASE_ATTR, is_wrapped
-from autoremat.entries import covered, inside, parse_run, run_entry
-from autoremat.nested import iter_tensors
+from autoremat.classes import (
+    ATTR_PREFIX,
+    BASE_ATTR,
+    copy_as_is,
+    deepcopy_as_is,
+    is_wrapped,
+    reduce_as_plain,
+)
+from autoremat.entries import first_nested, parse_run, run_entry
+from autoremat.replay import CheckpointedCall
+from autoremat.selective import context_fn as selective_context
+from autoremat.snapshot import all_or_nothing
 
 __all__ = [
     "Checkpointed",
@@ -56,15 +79,44 @@ __all__ = [
     "wrapped_paths",
 ]
 
-_PATH_ATTR = "_autoremat_path"
-_RUNS_ATTR = "_autoremat_runs"
-_SAVE_ATTR = "_autoremat_save_ops"
+# instance attributes; their prefix marks them autoremat's (left out of pickles)
+_PATH_ATTR = f"{ATTR_PREFIX}path"
+_RUNS_ATTR = f"{ATTR_PREFIX}runs"
+_CONTEXT_ATTR = f"{ATTR_PREFIX}context_fn"
 
 
 class Wrapped(nn.Module):
-    """Base of the two mixins :func:`apply` puts in front of a module's own class."""
+    """Base of the two mixins :func:`apply` puts in front of a module's own class.
+
+    A wrapped module pickles as its own class without autoremat's attributes and hooks, and
+    copies (``copy.copy``, ``copy.deepcopy``) as a wrapped module (module docstring)."""
 
     _autoremat_base: type[nn.Module]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class :func:`apply` makes (``Checkpointed<Base>``, with :data:`BASE_ATTR` in its
+        body) skips the ``__init_subclass__`` of the classes after this one in its MRO, the
+        base's: a base that registers its subclasses (a plugin registry, Hugging Face's
+        ``Cache`` layers) never sees autoremat's class, one that refuses subclasses does not
+        stop the wrap, and ``GradientCheckpointingLayer`` does not wrap our ``forward`` in its
+        own. Every other subclass (``FSDP<Class>`` made by ``fully_shard`` on top of ours)
+        runs them as usual. A metaclass's ``__new__``/``__init__`` still runs."""
+        if BASE_ATTR in cls.__dict__:
+            return
+        super().__init_subclass__(**kwargs)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        """The module as it was before :func:`apply`, for ``pickle`` and ``torch.save``
+        (:func:`autoremat.classes.reduce_as_plain`)."""
+        return reduce_as_plain(self, protocol)
+
+    def __copy__(self) -> nn.Module:
+        """A shallow copy, still wrapped (:func:`autoremat.classes.copy_as_is`)."""
+        return copy_as_is(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        """A deep copy, still wrapped (:func:`autoremat.classes.deepcopy_as_is`)."""
+        return deepcopy_as_is(self, memo)
 
 
 class Checkpointed(Wrapped):
@@ -79,8 +131,8 @@ class Checkpointed(Wrapped):
         if not torch.is_grad_enabled():
             return own_forward(*args, **kwargs)
         path = self.__dict__.get(_PATH_ATTR, "")
-        save_ops = self.__dict__.get(_SAVE_ATTR)
-        return _checkpoint(path, [self], own_forward, args, kwargs, save_ops)
+        context_fn = self.__dict__.get(_CONTEXT_ATTR)
+        return _checkpoint(path, [self], own_forward, args, kwargs, context_fn)
 
 
 class CheckpointedRuns(Wrapped):
@@ -123,24 +175,24 @@ def _checkpoint(
     fn: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    save_ops: tuple[str, ...] | None = None,
+    context_fn: Any = None,
 ) -> Any:
     """``checkpoint(fn, *args, **kwargs)``, non-reentrant, with the recompute guarded; with
-    ``save_ops``, selective (the outputs of those ops are kept, the rest recomputed)."""
+    ``context_fn`` (:func:`autoremat.selective.context_fn`, made once by :func:`apply`),
+    selective: the outputs of its ops are kept, the rest recomputed."""
     extra: dict[str, Any] = {}
-    if save_ops is not None:
-        extra["context_fn"] = selective.context_fn(save_ops)
+    if context_fn is not None:
+        extra["context_fn"] = context_fn
     if torch.compiler.is_compiling():
         return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
-    call = _Call(label, owners)
+    call = CheckpointedCall(label, owners)
 
     def run_forward(*a: Any) -> Any:
-        """The wrapper function: the split point's own forward, guarded on recompute. The
-        keyword arguments arrive as the last positional one (see below)."""
+        """The wrapper function: the split point's own forward, guarded on recompute
+        (:mod:`autoremat.replay`). The keyword arguments arrive as the last positional one
+        (see below)."""
         *pos, k = a
-        if call.first:
-            return call.first_run(fn, tuple(pos), k)
-        return call.recompute(fn, tuple(pos), k)
+        return call.run(fn, tuple(pos), k)
 
     # The keyword arguments travel as one positional dict: checkpoint saves and replays the
     # CUDA RNG state only of the devices of the tensors among its positional arguments, so a
@@ -151,98 +203,41 @@ def _checkpoint(
     )
 
 
-class _Call:
-    """One checkpointed call: tells the forward from its recomputes."""
-
-    __slots__ = ("first", "label", "owners", "signature")
-
-    def __init__(self, label: str, owners: list[nn.Module]) -> None:
-        self.label = label
-        self.owners = owners
-        self.first = True
-        self.signature: list[tuple[str, int, tuple[int, ...], int]] = []
-
-    def first_run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.first = False
-        self.signature = _state_signature(args, kwargs)
-        return fn(*args, **kwargs)
-
-    def recompute(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        now = _state_signature(args, kwargs)
-        if now != self.signature:
-            raise CheckpointError(self._changed_message(now))
-        # Kernels such as batch_norm update running statistics without bumping the tensor's
-        # version counter, so compare values: put back every buffer the recompute changed.
-        # (outside any dispatch mode: selective checkpointing's would take these copies for
-        # ops of the recompute)
-        with _no_dispatch_modes():
-            saved = [
-                (b, b.detach().clone())
-                for m in self.owners
-                for b in m.buffers()
-                if b.device.type != "meta"
-            ]
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            with torch.no_grad(), _no_dispatch_modes():
-                for buffer, value in saved:
-                    if not torch.equal(buffer, value):
-                        buffer.copy_(value)
-
-    def _changed_message(self, now: list[tuple[str, int, tuple[int, ...], int]]) -> str:
-        before = {entry[0]: entry for entry in self.signature}
-        after = {entry[0]: entry for entry in now}
-        changed = [w for w in sorted(before.keys() | after.keys()) if before.get(w) != after.get(w)]
-        path = self.label or "(root)"
-        return (
-            f"autoremat: module {path!r} is recomputed in backward, but its inputs "
-            f"were changed in place after its forward ran ({', '.join(changed[:3])}); the "
-            f"recompute would compute something else. Fix: do not change a recomputed module's "
-            f"inputs in place (for a Hugging Face model, call it with use_cache=False and no "
-            f"cache object), or leave {path!r} out of the plan."
-        )
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return -1
-
-
-def _state_signature(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[tuple[str, int, tuple[int, ...], int]]:
-    """Identity, shape and version of every tensor reachable from the inputs, also inside
-    plain objects (a key/value cache), up to a small depth.
-
-    Positional tensors are left out: checkpoint saves those itself and checks their version
-    when it gives them back, or saved-tensor hooks (``torch.autograd.graph.save_on_cpu``)
-    give back another object holding the value they packed. Depth 6 reaches the tensors of a
-    Hugging Face ``EncoderDecoderCache`` (cache -> DynamicCache -> layers -> layer -> keys).
-    """
-    own = {f"inputs[0][{i}]" for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
-    return [
-        (where, id(t), tuple(t.shape), _version(t))
-        for where, t in iter_tensors((args, kwargs), "inputs", objects=True, depth=6)
-        if where not in own
-    ]
-
-
 _classes: dict[tuple[type, type], type] = {}
 
 
 def _wrapped_class(mixin: type, base: type) -> type:
     """``Checkpointed<Base>`` (or ``CheckpointedRuns<Base>``): a wrapped module's class, made
-    once per pair."""
+    once per pair. A base with a ``save_pretrained`` (Hugging Face, diffusers) gets
+    :func:`_save_pretrained` in front of it."""
     if (mixin, base) not in _classes:
-        _classes[mixin, base] = type(
-            f"{mixin.__name__}{base.__name__}",
-            (mixin, base),
-            {BASE_ATTR: base, "__module__": __name__},
-        )
+        body: dict[str, Any] = {BASE_ATTR: base, "__module__": __name__}
+        if callable(getattr(base, "save_pretrained", None)):
+            body["save_pretrained"] = _save_pretrained
+        _classes[mixin, base] = type(f"{mixin.__name__}{base.__name__}", (mixin, base), body)
     return _classes[mixin, base]
+
+
+def _save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """The base's ``save_pretrained``, run with the module's own class for the duration of the
+    call: Hugging Face writes ``type(self).__name__`` into ``config.json`` as the architecture
+    (diffusers as ``_class_name``), which must name the original class for the saved model to
+    load. Nothing else changes; the wrapped class is back when the call returns or raises.
+
+    Not thread-safe: another thread calling the module during the save runs it unwrapped. When
+    another class was swapped in on top of autoremat's (``fully_shard``), that class is kept
+    and the base's ``save_pretrained`` called under it (the name it writes is then that
+    class's, less Hugging Face's ``FSDP`` prefix)."""
+    cls = type(self)
+    ours = next(c for c in cls.__mro__ if BASE_ATTR in c.__dict__)
+    base = ours.__dict__[BASE_ATTR]
+    if cls is not ours:
+        return base.save_pretrained(self, *args, **kwargs)
+    self.__class__ = base
+    try:
+        return self.save_pretrained(*args, **kwargs)
+    finally:
+        self.__class__ = ours
 
 
 def wrapped_paths(model: nn.Module) -> tuple[str, ...]:
@@ -260,9 +255,9 @@ def wrapped_paths(model: nn.Module) -> tuple[str, ...]:
 def selective_paths(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """The modules :func:`apply` wrapped selectively, with the ops whose outputs they keep."""
     return {
-        p: m.__dict__[_SAVE_ATTR]
+        p: m.__dict__[_CONTEXT_ATTR].args[0]
         for p, m in model.named_modules()
-        if isinstance(m, Checkpointed) and m.__dict__.get(_SAVE_ATTR) is not None
+        if isinstance(m, Checkpointed) and m.__dict__.get(_CONTEXT_ATTR) is not None
     }
 
 
@@ -281,17 +276,21 @@ def apply(
     are recomputed selectively: the outputs of the ops in ``save_ops`` are kept from the
     forward, the other ops run again (:mod:`autoremat.selective`); ``selective`` may also map
     each such entry to its own ops (``{"h.0": ("aten.mm", "aten.addmm")}``, as
-    :attr:`autoremat.Plan.selective` does), and then ``save_ops`` is not used. Nothing is
-    changed when the call raises. Applying the same entries to a model that already has them
-    wrapped is a no-op.
+    :attr:`autoremat.Plan.selective` does), and then ``save_ops`` is not used. Applying the
+    same entries to a model that already has them wrapped is a no-op.
+
+    All or nothing: every entry is checked and every wrapped class made before any module
+    changes; when changing them fails half-way, every module gets back its class, attributes
+    and hooks (:func:`autoremat.snapshot.all_or_nothing`) before the error goes on.
 
     Raises:
         ValueError: an entry names no module of ``model`` (the message lists them), or a run
             that is not inside a plain ``nn.Sequential``; one entry is inside another (the
             recomputes would nest); the model already has other entries wrapped (call
             :func:`remove` first); or a module cannot be wrapped (a ``torch.jit.ScriptModule``,
-            or one whose ``forward`` was replaced on the instance); a ``selective`` entry
-            not in ``paths`` or a run; a ``save_ops`` name not of the form ``"aten.mm"``.
+            or one whose ``forward`` was replaced on the instance, or whose class cannot be
+            subclassed: the message names it); a ``selective`` entry not in ``paths`` or a
+            run; a ``save_ops`` name not of the form ``"aten.mm"``.
         TypeError: ``save_ops`` not a sequence of strings.
     """
     wanted_selective = _selective_entries(paths, selective, save_ops)
@@ -307,22 +306,62 @@ def apply(
         )
     chosen = sorted(set(paths))
     _check_not_nested(chosen)
+    changes = _changes(chosen, modules, wanted_selective)
+    with all_or_nothing() as log:
+        for path, m, cls, attributes in changes:
+            log.set_class(path, m, cls)
+            for name, value in attributes.items():
+                log.set_attribute(path, m, name, value)
+        if chosen:
+            log.keep(_cache_hook_candidates(model))
+            huggingface.turn_cache_off_in_training(model)
+    return model
+
+
+def _changes(
+    chosen: list[str], modules: dict[str, nn.Module], wanted_selective: dict[str, tuple[str, ...]]
+) -> list[tuple[str, nn.Module, type, dict[str, Any]]]:
+    """What :func:`apply` will change, worked out before it changes anything: each module to
+    wrap (path, module), with its wrapped class and autoremat's instance attributes. Every
+    entry is checked (:func:`_runs_by_parent`) and every class made here, so a failure leaves
+    the model as it was."""
     runs = _runs_by_parent(chosen, modules)
+    changes: list[tuple[str, nn.Module, type, dict[str, Any]]] = []
     for e in chosen:
         if parse_run(e) is None:
             m = modules[e]
-            m.__class__ = _wrapped_class(Checkpointed, type(m))
-            m.__dict__[_PATH_ATTR] = e
+            attributes: dict[str, Any] = {_PATH_ATTR: e}
             if e in wanted_selective:
-                m.__dict__[_SAVE_ATTR] = wanted_selective[e]
+                attributes[_CONTEXT_ATTR] = selective_context(wanted_selective[e])
+            changes.append((e, m, _class_for(e, Checkpointed, m), attributes))
     for parent, spans in runs.items():
         seq = modules[parent]
-        seq.__class__ = _wrapped_class(CheckpointedRuns, type(seq))
-        seq.__dict__[_PATH_ATTR] = parent
-        seq.__dict__[_RUNS_ATTR] = tuple(sorted(spans))
-    if chosen:
-        huggingface.turn_cache_off_in_training(model)
-    return model
+        attributes = {_PATH_ATTR: parent, _RUNS_ATTR: tuple(sorted(spans))}
+        changes.append((parent, seq, _class_for(parent, CheckpointedRuns, seq), attributes))
+    return changes
+
+
+def _cache_hook_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules :mod:`autoremat.huggingface` may hook or unhook: those with a
+    ``config.use_cache`` (its rule, less the ``use_cache`` argument check; a few per model),
+    kept whole while it runs so that a failure puts them back."""
+    return [
+        (p, m) for p, m in model.named_modules() if hasattr(getattr(m, "config", None), "use_cache")
+    ]
+
+
+def _class_for(path: str, mixin: type, m: nn.Module) -> type:
+    """:func:`_wrapped_class` for the module at ``path``. Making it fails when the module's
+    class refuses subclasses through its metaclass, or cannot be combined with ``mixin``: a
+    ``ValueError`` naming the module and the fix, raised before anything changed."""
+    try:
+        return _wrapped_class(mixin, type(m))
+    except Exception as exc:
+        raise ValueError(
+            f"module {path or '(root)'!r} cannot be wrapped: autoremat could not make a "
+            f"subclass of its class {type(m).__name__} ({type(exc).__name__}: {exc}); "
+            f"leave it out of the plan"
+        ) from exc
 
 
 def _selective_entries(
@@ -362,16 +401,13 @@ def _check_present(model: nn.Module, paths: Sequence[str], modules: dict[str, nn
 
 
 def _check_not_nested(chosen: list[str]) -> None:
-    covers = {e: covered(e) for e in chosen}
-    for a, b in itertools.combinations(chosen, 2):
-        for x in covers[a]:
-            for y in covers[b]:
-                if inside(x, y) or inside(y, x):
-                    inner, outer = (a, b) if inside(x, y) else (b, a)
-                    raise ValueError(
-                        f"module {inner or '(root)'!r} is inside {outer or '(root)'!r}: "
-                        f"recomputes would nest; keep only one of them in the plan"
-                    )
+    nested = first_nested(chosen)
+    if nested is not None:
+        inner, outer = nested
+        raise ValueError(
+            f"module {inner or '(root)'!r} is inside {outer or '(root)'!r}: "
+            f"recomputes would nest; keep only one of them in the plan"
+        )
 
 
 def _runs_by_parent(
@@ -418,12 +454,15 @@ def remove(model: nn.Module) -> nn.Module:
 
     The module objects are the same ones throughout (wrapping never replaced them), so after
     ``remove`` the model is the original one. A model that was never wrapped is returned
-    unchanged (a no-op, not an error).
+    unchanged (a no-op, not an error). On a deep copy of a wrapped model it unwraps the copy
+    and removes the copy's ``use_cache`` hook, and leaves the original wrapped.
 
     Raises:
         ValueError: a wrapped module had its class swapped again after :func:`apply` (as
             ``torch.distributed.fsdp.fully_shard`` does to each module it shards, making
             ``FSDPCheckpointed<Cls>``); the message names it. Nothing is changed then.
+        Exception: undoing failed half-way (a class refusing ``__class__`` assignment); every
+            module was put back as it was wrapped first.
     """
     for m in model.modules():
         if is_wrapped(m) and BASE_ATTR not in type(m).__dict__:
@@ -433,11 +472,13 @@ def remove(model: nn.Module) -> nn.Module:
                 f"cannot undo its wrap under that class, and changed nothing: undo the other "
                 f"change first, or rebuild the model"
             )
-    for m in model.modules():
-        if is_wrapped(m):
-            m.__class__ = type(m).__dict__[BASE_ATTR]
-            m.__dict__.pop(_PATH_ATTR, None)
-            m.__dict__.pop(_RUNS_ATTR, None)
-            m.__dict__.pop(_SAVE_ATTR, None)
-    huggingface.remove_cache_hooks(model)
+    with all_or_nothing() as log:
+        for path, m in model.named_modules():
+            if is_wrapped(m):
+                log.set_class(path, m, type(m).__dict__[BASE_ATTR])
+                for name in (_PATH_ATTR, _RUNS_ATTR, _CONTEXT_ATTR):
+                    if name in m.__dict__:
+                        log.set_attribute(path, m, name)
+        log.keep(_cache_hook_candidates(model))
+        huggingface.remove_cache_hooks(model)
     return model

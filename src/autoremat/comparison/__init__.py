@@ -38,10 +38,12 @@ How the figures are obtained (see :class:`Row`):
   inputs left out. Those hooks also fire under ``torch.compile``, so this is the one figure on
   which compiled and eager strategies (selective recompute included) compare directly.
 * A compiled model cannot be measured by a dispatch mode (dynamo runs the original Python code
-  eagerly when a ``TorchDispatchMode`` is active, so the figures would be those of the eager
-  model): its ``peak`` is ``None``, its ``saved`` is its ``autograd_saved``, and its ``flops`` are
-  counted on the forward and backward graphs inductor compiled (recompute included) with the
-  formulas of ``FlopCounterMode``.
+  eagerly when a ``TorchDispatchMode`` is active): its ``peak`` and ``saved`` come from the
+  allocator (:func:`autoremat.measure` picks :class:`autoremat.memory.CpuAllocatorMemory` on
+  CPU, the CUDA allocator on a GPU), and its ``flops`` are counted on the forward and backward
+  graphs inductor compiled (recompute included) with the formulas of ``FlopCounterMode``.
+  ``compare(..., memory="allocator")`` measures the eager rows by the allocator too, for a
+  like-for-like table.
 * ``seconds`` is the median of ``repeats`` timed steps, interleaved across strategies (one step
   of each strategy per round, the order reversed every other round) so that a noisy machine
   disturbs every strategy alike.

@@ -12,7 +12,7 @@ from autoremat.comparison.strategies import Args, Kwargs, unwrap
 from autoremat.snapshot import preserved
 from autoremat.step import LossFn, train_step
 
-__all__ = ["ATOL", "RTOL", "StepResult", "check_grads", "one_step"]
+__all__ = ["ATOL", "RTOL", "StepResult", "check_grads", "one_step", "worst_error"]
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -99,3 +99,16 @@ def check_grads(reference: StepResult, result: StepResult) -> tuple[bool, list[s
     if moved:
         notes.append(f"{len(moved)} buffers differ after a step (e.g. {moved[0]})")
     return ok, notes
+
+
+def worst_error(reference: StepResult, result: StepResult) -> float:
+    """The largest relative error (:func:`_relative_error`, Frobenius) of the loss and of any
+    parameter gradient of ``result`` against ``reference``: 0.0 when all are equal, about
+    1e-7..1e-5 for float rounding (other kernels, other fusion), about 1 for another
+    computation (other dropout masks)."""
+    errors = [_relative_error(result[0].double(), reference[0].double())]
+    for name in reference[1].keys() | result[1].keys():
+        g0, g1 = reference[1].get(name), result[1].get(name)
+        if g0 is not None or g1 is not None:
+            errors.append(_relative_error(g1, g0))
+    return max(errors)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from autoremat import wrap
-from autoremat.comparison.gradients import StepResult, check_grads, one_step
+from autoremat.comparison.gradients import StepResult, check_grads, one_step, worst_error
 from autoremat.comparison.inductor import compiled
 from autoremat.comparison.row import Row
 from autoremat.comparison.saved import saved_by_autograd
@@ -64,6 +64,7 @@ class _Entry:
     flops: int | None = None
     times: list[float] = dataclasses.field(default_factory=list)
     grads_match: bool = False
+    grads_error: float | None = None
     duplicates: list[str] = dataclasses.field(default_factory=list)
     # the model to run: applied.model, None once its step failed (then neither timed nor
     # counted as compiled)
@@ -114,10 +115,7 @@ def _first_notes(entry: _Entry, applied: Applied) -> list[str]:
     notes = []
     info = applied.compile_info
     if info is not None:
-        notes.append(
-            f"compile {info.compile_seconds:.0f} s, {info.graphs} graphs; "
-            f"peak n/a, saved = autograd-saved"
-        )
+        notes.append(f"compile {info.compile_seconds:.0f} s, {info.graphs} graphs")
     if applied.note is not None:
         notes.append(applied.note)
     elif entry.modules:
@@ -130,18 +128,19 @@ def _path_order(model: nn.Module) -> Callable[[str], int]:
     return lambda p: order.get(p, len(order))
 
 
-def _measure(entry: _Entry, args: Args, kwargs: Kwargs, loss_fn: LossFn) -> None:
-    """Peak, saved bytes, FLOPs and autograd-saved bytes of one step of ``entry``'s model."""
+def _measure(entry: _Entry, args: Args, kwargs: Kwargs, loss_fn: LossFn, memory: str) -> None:
+    """Peak, saved bytes, FLOPs and autograd-saved bytes of one step of ``entry``'s model
+    (``memory`` as in :func:`autoremat.measure`; a compiled model always by the allocator, its
+    FLOPs those of the graphs inductor compiled)."""
     assert entry.model is not None and entry.applied is not None
     entry.autograd_saved = saved_by_autograd(entry.model, args, kwargs, loss_fn=loss_fn)
     info = entry.applied.compile_info
     if info is not None:
-        entry.peak = None
-        entry.saved = entry.autograd_saved
-        entry.flops = info.warm_flops
-        return
-    m = measure(entry.model, args, kwargs, loss_fn=loss_fn, repeats=1)
+        memory = "allocator"
+    m = measure(entry.model, args, kwargs, loss_fn=loss_fn, repeats=1, memory=memory)
     entry.peak, entry.saved, entry.flops = m.peak, m.saved, m.flops
+    if info is not None:
+        entry.flops = info.warm_flops
 
 
 def _timed_step(entry: _Entry, args: Args, kwargs: Kwargs, loss_fn: LossFn) -> float:
@@ -193,7 +192,6 @@ def _rows(label: str, entries: list[_Entry]) -> list[Row]:
     for e in entries:
         seconds = statistics.median(e.times) if e.times else None
         spread = (max(e.times) - min(e.times)) / seconds if seconds else None
-        saved_base = base.autograd_saved if e.compiled else base.saved
         rows.append(
             Row(
                 model=label,
@@ -205,11 +203,12 @@ def _rows(label: str, entries: list[_Entry]) -> list[Row]:
                 seconds=seconds,
                 time_spread=spread,
                 peak_ratio=_ratio(e.peak, base.peak),
-                saved_ratio=_ratio(e.saved, saved_base),
+                saved_ratio=_ratio(e.saved, base.saved),
                 autograd_saved_ratio=_ratio(e.autograd_saved, base.autograd_saved),
                 flops_ratio=_ratio(e.flops, base.flops),
                 time_ratio=_ratio(seconds, base_seconds),
                 grads_match=e.grads_match,
+                grads_error=e.grads_error,
                 note=_note(e),
                 compiled=e.compiled,
                 plan=plan_without_tree(e.applied.plan) if e.applied else None,
@@ -225,6 +224,7 @@ def _check(
     loss_fn: LossFn,
     reference: StepResult | None,
     label: str,
+    memory: str,
 ) -> StepResult | None:
     """Measure ``entry`` and check its gradients against ``reference`` (none yet: this is the
     baseline, whose result becomes the reference). Returns the reference. A failure goes to the
@@ -232,11 +232,12 @@ def _check(
     model = entry.model
     assert model is not None
     try:
-        _measure(entry, args, kwargs, loss_fn)
+        _measure(entry, args, kwargs, loss_fn, memory)
         result = one_step(model, args, kwargs, loss_fn)
         if reference is None:
             reference = result
         entry.grads_match, notes = check_grads(reference, result)
+        entry.grads_error = worst_error(reference, result)
         entry.notes += notes
     except Exception as exc:
         if entry.strategy.name == BASELINE:
@@ -314,21 +315,23 @@ def compare(
     repeats: int = 5,
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
+    memory: str = "tensors",
 ) -> list[Row]:
     """Run each strategy on a fresh deep copy of ``model`` and measure one training step.
 
     Returns one :class:`Row` per strategy that applies, in the order given, the baseline
     (:func:`no_recompute`, added first when ``strategies`` has no strategy named ``none``)
-    included. A strategy whose ``apply`` or step raises gets a row with no figures and the
-    error in its note. ``model`` itself is never run or changed. ``name`` labels the rows
-    (default: the model's class name). ``progress`` receives a line per stage (each strategy,
-    each timing round); without it, a :class:`autoremat.progress.Progress` bar on stderr
-    counts the stages (drawn only when stderr is a terminal).
+    included; a strategy whose ``apply`` or step raises gets one with the error in its note.
+    ``model`` itself is never run or changed. ``name`` labels the rows (default: the class).
+    ``progress`` receives a line per stage (each strategy, each timing round); without it, a
+    :class:`autoremat.progress.Progress` bar on stderr (on a terminal) counts the stages.
 
     ``repeats`` timed steps per strategy are interleaved (one step of each strategy per round,
     the order reversed every other round), so that a noisy machine disturbs every strategy
-    alike. Compiled strategies leave dynamo's caches filled; :func:`torch._dynamo.reset` is
-    called at the end when any strategy was compiled.
+    alike. ``memory`` says how eager strategies' memory is measured (:func:`autoremat.measure`:
+    ``"tensors"``, or ``"allocator"`` to compare them with compiled ones, which are always
+    measured by the allocator). Compiled strategies leave dynamo's caches filled;
+    :func:`torch._dynamo.reset` is called at the end when any strategy was compiled.
 
     Raises:
         ValueError: ``repeats`` is below 1, or the baseline itself fails.
@@ -354,7 +357,7 @@ def compare(
                 continue
             compiled_any = compiled_any or entry.compiled
             if entry.model is not None:
-                reference = _check(entry, args, kwargs, loss_fn, reference, label)
+                reference = _check(entry, args, kwargs, loss_fn, reference, label, memory)
             entries.append(entry)
         _time(entries, args, kwargs, loss_fn, repeats, stages)
         stages.end()

@@ -9,6 +9,7 @@ the harness in a :class:`CompileInfo`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from autoremat.comparison.strategies import Applied, Args, Kwargs, Strategy
+from autoremat.comparison.strategies import Applied, Args, Kwargs, Strategy, as_applied
 from autoremat.snapshot import preserved
 from autoremat.step import LossFn, default_loss, train_step
 
@@ -86,15 +87,19 @@ def _counting_inductor(info: CompileInfo) -> Callable[..., Any]:
 
 
 def compiled(
-    budget: float,
+    budget: float = 1.0,
     *,
     loss_fn: LossFn | None = None,
     fallback_random: bool = True,
+    first: Strategy | None = None,
 ) -> Strategy:
     """``torch.compile(model)`` (inductor) with ``activation_memory_budget=budget`` while it
     compiles: one warm-up step (forward and backward) runs in ``apply``, so the cold compile is
-    not timed (its seconds go to the row's note). The row's ``peak`` is ``None``, its ``saved``
-    the autograd-saved bytes and its FLOPs those of the compiled graphs (recompute included).
+    not timed (its seconds go to the row's note). With ``first``, that strategy is applied to
+    the model before it is compiled (an autoremat plan, Hugging Face's checkpointing): the row
+    is named ``"{first} + compile"`` and keeps its plan and predicted peak. The row's figures
+    come from the allocator (:func:`autoremat.measure` of a compiled model); its FLOPs are
+    those of the compiled graphs (recompute included).
 
     ``fallback_random=True`` sets ``torch._inductor.config.fallback_random`` while compiling so
     that dropout draws the same masks as eager PyTorch (otherwise gradients cannot be compared;
@@ -108,10 +113,13 @@ def compiled(
     """
     loss_fn = default_loss if loss_fn is None else loss_fn
 
-    def apply(model: nn.Module, args: Args, kwargs: Kwargs) -> Applied:
+    def apply(model: nn.Module, args: Args, kwargs: Kwargs) -> Applied | None:
+        before = Applied(model) if first is None else as_applied(first.apply(model, args, kwargs))
+        if before is None:
+            return None
         info = CompileInfo(budget)
         # an OptimizedModule (typed as a plain callable)
-        optimized = cast(nn.Module, torch.compile(model, backend=_counting_inductor(info)))
+        optimized = cast(nn.Module, torch.compile(before.model, backend=_counting_inductor(info)))
         start = time.perf_counter()
         with (
             torch._functorch.config.patch(
@@ -122,8 +130,17 @@ def compiled(
         ):
             train_step(optimized, args, kwargs, loss_fn)
         info.compile_seconds = time.perf_counter() - start
+        if info.graphs == 0:
+            raise RuntimeError(
+                "torch.compile compiled no graph: dynamo ran the model eagerly (every copy of "
+                "a model compiles its code again; past torch._dynamo.config.recompile_limit "
+                "it stops: raise it, or call torch._dynamo.reset())"
+            )
         info.calls_after_warmup = info.graphs
         info.warm_flops = info.flops
-        return Applied(optimized, compile_info=info)
+        return dataclasses.replace(before, model=optimized, compile_info=info)
 
-    return Strategy(f"compile b={budget:g}", apply)
+    name = f"compile b={budget:g}" if first is None else f"{first.name} + compile"
+    if first is not None and budget != 1.0:
+        name += f" b={budget:g}"
+    return Strategy(name, apply)

@@ -13,14 +13,15 @@ __all__ = ["Row"]
 @dataclass
 class Row:
     """One strategy on one model. Byte counts are ints, ratios are relative to the ``none`` row
-    of the same model; ``None`` where a figure is unknown (``peak`` of a compiled model, every
-    figure of a strategy that failed).
+    of the same model; ``None`` where a figure is unknown (every figure of a strategy that
+    failed).
 
     Attributes:
         peak: bytes alive at most during the step, above what existed before it
-            (:class:`autoremat.Measurement`); ``None`` for compiled models.
+            (:class:`autoremat.Measurement`; for compiled models, and for every row of a
+            ``compare(memory="allocator")``, as the allocator reports them).
         saved: bytes created by the forward and still alive before backward
-            (:class:`autoremat.Measurement`); for compiled models, ``autograd_saved``.
+            (:class:`autoremat.Measurement`, measured as ``peak``).
         autograd_saved: bytes of the distinct storages kept from the forward for backward:
             autograd's saved tensors plus selective checkpointing's cache
             (:func:`autoremat.comparison.saved_by_autograd`); the basis on which eager and
@@ -29,10 +30,12 @@ class Row:
         seconds: median wall time of one step.
         time_spread: (slowest - fastest) / median of the timed steps: how noisy ``seconds``
             is.
-        saved_ratio: ``saved`` over the baseline's ``saved``; for compiled models over the
-            baseline's ``autograd_saved`` (the same basis).
+        saved_ratio: ``saved`` over the baseline's ``saved``.
         grads_match: loss and every parameter gradient equal to the baseline's within
             ``rtol=1e-5, atol=1e-6`` after one step from the same seed.
+        grads_error: the worst relative error of the loss and the gradients against the
+            baseline's (:func:`autoremat.comparison.gradients.worst_error`): rounding (about
+            1e-5 and below) tells apart from another computation (about 1).
         note: what else is known, ``; ``-separated: what the strategy wraps, a budget plan's
             predicted peak and its error, what differs from the baseline, why it failed.
         compiled: the strategy ran through ``torch.compile``.
@@ -55,6 +58,7 @@ class Row:
     flops_ratio: float | None
     time_ratio: float | None
     grads_match: bool
+    grads_error: float | None = None
     note: str = ""
     compiled: bool = False
     plan: Plan | None = dataclasses.field(default=None, repr=False, compare=False)

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from autoremat import huggingface, wrap
+from autoremat.compile_plan import plan_for_compile
 from autoremat.planner import lowest_budget, plan
 from autoremat.plans import Plan
 from autoremat.tree import Node, build_tree
@@ -214,20 +215,32 @@ def levels(segments: int) -> Strategy:
     return Strategy(f"levels s={segments}", apply, dedupe=True)
 
 
-def budget(target: float | str, *, selective: bool = True, objective: str = "time") -> Strategy:
+def budget(
+    target: float | str,
+    *,
+    selective: bool = True,
+    objective: str = "time",
+    compile_backend: str | None = None,
+) -> Strategy:
     """:func:`autoremat.plan` with ``budget=target`` (a fraction of the peak without
     recompute), ``selective`` and ``objective``, applied; ``target="min"`` plans at the lowest
-    budget the planner meets (:func:`autoremat.lowest_budget`). The row is named ``budget 50%``
-    (``budget min``), with `` (module)`` appended for ``selective=False`` (module-level
-    recompute only) and `` (flops)`` for ``objective="flops"``. Its :class:`Applied` carries the
-    plan and its predicted peak; the row's note gives the budget, how many entries are
-    recomputed (selectively), and the predicted peak with its error against the measured one."""
+    budget the planner meets (:func:`autoremat.lowest_budget`). With ``compile_backend``, the
+    plan is checked under ``torch.compile`` (:func:`autoremat.plan_for_compile`). The row is
+    named ``budget 50%`` (``budget min``), with `` (module)`` appended for ``selective=False``
+    (module-level recompute only), `` (flops)`` for ``objective="flops"`` and
+    `` (compile-checked)`` with ``compile_backend``. Its :class:`Applied` carries the plan and
+    its predicted peak; the row's note gives the budget, how many entries are recomputed
+    (selectively), and the predicted peak with its error against the measured one."""
 
     def apply(model: nn.Module, args: Args, kwargs: Kwargs) -> Applied:
         spec: float | int | str = target
         if target == "min":
             spec = lowest_budget(model, args, kwargs, selective=selective)
-        chosen = plan(model, args, kwargs, budget=spec, selective=selective, objective=objective)
+        options: dict[str, Any] = {"budget": spec, "selective": selective, "objective": objective}
+        if compile_backend is None:
+            chosen = plan(model, args, kwargs, **options)
+        else:
+            chosen = plan_for_compile(model, args, kwargs, backend=compile_backend, **options)
         applied = chosen.apply(model)
         assert chosen.estimated_peak is not None and chosen.budget is not None
         note = (
@@ -238,7 +251,8 @@ def budget(target: float | str, *, selective: bool = True, objective: str = "tim
 
     name = "budget min" if target == "min" else f"budget {float(target):.0%}"
     name += "" if selective else " (module)"
-    return Strategy(name + ("" if objective == "time" else f" ({objective})"), apply)
+    name += "" if objective == "time" else f" ({objective})"
+    return Strategy(name + ("" if compile_backend is None else " (compile-checked)"), apply)
 
 
 def describe_paths(paths: Sequence[str]) -> str:

@@ -13,6 +13,7 @@ Adding a strategy is one file in this package that defines a ``STRATEGY`` and on
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,7 +21,9 @@ from typing import Any, Literal
 from autoremat.sizes import Budget
 from autoremat.step import LossFn
 
-__all__ = ["STRATEGIES", "Request", "Strategy"]
+__all__ = ["STRATEGIES", "Request", "Strategy", "log_left_out"]
+
+logger = logging.getLogger("autoremat")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,22 @@ class Strategy:
     needs: Literal["tree", "profile"]
     check: Callable[[Request], Request]
     choose: Callable[[Any, Request], dict[str, Any]]
+
+
+def log_left_out(left_out: dict[str, str], model_name: str, shown: int = 5) -> None:
+    """One warning on the ``autoremat`` logger naming the modules a strategy left out of its
+    plan (``left_out``: path -> reason; the first ``shown`` of them with their reasons);
+    nothing when there are none."""
+    if not left_out:
+        return
+    logger.warning(
+        "%d module(s) of %s cannot be recomputed on their own and were left out of the "
+        "plan (modules inside or around them can still be chosen): %s",
+        len(left_out),
+        model_name,
+        "; ".join(f"{p!r}: {why}" for p, why in list(left_out.items())[:shown])
+        + (" ..." if len(left_out) > shown else ""),
+    )
 
 
 def _registry() -> dict[str, Strategy]:

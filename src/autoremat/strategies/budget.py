@@ -19,7 +19,7 @@ from autoremat.plans import Choice
 from autoremat.selective import WAYS
 from autoremat.sizes import Budget, format_size
 from autoremat.solver import Infeasible, Item, min_peak, predict_peak, solve
-from autoremat.strategies import Request, Strategy
+from autoremat.strategies import Request, Strategy, log_left_out
 
 __all__ = ["HEADROOM", "NEAR_LOWEST", "OBJECTIVES", "STRATEGY", "BudgetTooLow", "lowest"]
 
@@ -67,7 +67,7 @@ def _choose(prof: Profile, request: Request) -> dict[str, Any]:
     limit = request.budget.resolve(prof.peak)
     skipped: dict[str, str] = {}
     root = planning_tree(prof, request.selective, skipped, request.objective)
-    _log_skipped(skipped, request.model_name)
+    log_left_out(skipped, request.model_name)
     chosen = [] if limit >= prof.peak else _solve(prof, root, limit, request)
     seconds = {i.path: recompute_seconds(prof, i) for i in chosen}
     return {
@@ -80,6 +80,7 @@ def _choose(prof: Profile, request: Request) -> dict[str, Any]:
         "recompute_seconds": sum(seconds.values()),
         "choices": tuple(Choice(i.path, i.freed, i.flops, i.way, seconds[i.path]) for i in chosen),
         "selective": {i.path: WAYS[i.way] for i in chosen if i.way in WAYS},
+        "left_out": skipped,
     }
 
 
@@ -114,19 +115,6 @@ def _solve(prof: Profile, root: Item, limit: int, request: Request) -> list[Item
                 sum(i.flops for i in chosen) / 1e9,
             )
     return chosen
-
-
-def _log_skipped(skipped: dict[str, str], model_name: str) -> None:
-    if not skipped:
-        return
-    logger.warning(
-        "%d module(s) of %s cannot be recomputed on their own and were left out of the "
-        "plan (their parents can still be chosen): %s",
-        len(skipped),
-        model_name,
-        "; ".join(f"{p!r}: {why}" for p, why in list(skipped.items())[:5])
-        + (" ..." if len(skipped) > 5 else ""),
-    )
 
 
 STRATEGY = Strategy(name="budget", keyword="budget", needs="profile", check=_check, choose=_choose)

@@ -1,0 +1,333 @@
+"""Every plan kind under ``torch.compile`` (issue 16): whole modules, runs of a Sequential's
+children, selective entries (both ways, and per-entry ops), and the planner's own budget plans.
+
+Each compiles with ``fullgraph=True`` to one graph with one ``tag_activation_checkpoint``
+region per plan entry (backend ``aot_eager``: dynamo, AOTAutograd and the min-cut partitioner
+inductor uses, without inductor's cold compile; one test runs inductor itself), and its loss
+and gradients equal the compiled unwrapped model's, dropout on. Under ``aot_eager`` the random
+ops run as eager ops in the forward graph and the partitioner never recomputes a random op
+(it saves the mask), so the comparison is bitwise; under inductor it is equal up to float
+rounding (other fusions) with ``torch._inductor.config.fallback_random`` (inductor's own
+generator draws other numbers than eager PyTorch, with or without autoremat).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autoremat
+from autoremat.examples import Block, ConvNet, TinyGPT
+from autoremat.selective import WAYS
+from autoremat.wrap import apply
+from conftest import loss_of
+
+
+class Stack(nn.Module):
+    """Three transformer blocks (attention, MLP, LayerNorm, dropout) in an ``nn.Sequential``,
+    so plans can hold runs of its children, and a head."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(width, 2, 0.1) for _ in range(3)))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x)).pow(2).mean()
+
+
+PLANS: dict[str, dict[str, Any]] = {
+    "whole": {"paths": ["blocks.0", "blocks.1.attn", "blocks.2.mlp"]},
+    "runs": {"paths": ["blocks[0:2]", "blocks.2"]},
+    "selective": {"paths": ["blocks.0", "blocks.1"], "selective": ["blocks.0", "blocks.1"]},
+    "selective-bmm": {
+        "paths": ["blocks.0", "blocks.2.attn"],
+        "selective": {"blocks.0": WAYS["selective-bmm"], "blocks.2.attn": WAYS["selective-bmm"]},
+    },
+    "mixed": {
+        "paths": ["blocks[0:2]", "blocks.2.attn", "blocks.2.mlp"],
+        "selective": {"blocks.2.attn": ("aten.bmm",), "blocks.2.mlp": ("aten.addmm",)},
+    },
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    """Each test compiles from scratch: dynamo's caches (and its recompile limit, past which it
+    would silently run eagerly) start empty."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _step(model: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, list]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    loss = loss_of(model(*args, **kwargs))
+    loss.backward()
+    params = model.parameters() if not hasattr(model, "_orig_mod") else model._orig_mod.parameters()
+    return loss.detach(), [p.grad for p in params]
+
+
+def _assert_equal(step: tuple, reference: tuple, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Same loss and gradients: bitwise by default. (Other dropout masks would differ by far
+    more than any tolerance used here.)"""
+    torch.testing.assert_close(step[0], reference[0], rtol=rtol, atol=atol)
+    assert len(step[1]) == len(reference[1])
+    assert any(g is not None for g in step[1])
+    for g, h in zip(step[1], reference[1], strict=True):
+        assert (g is None) == (h is None)
+        if g is not None:
+            torch.testing.assert_close(g, h, rtol=rtol, atol=atol)
+
+
+def _compiled_once(model: nn.Module, backend: str = "aot_eager") -> tuple[nn.Module, Any]:
+    """``torch.compile(model, fullgraph=True)`` through a counting backend."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend(backend)
+    return torch.compile(model, backend=counter, fullgraph=True), counter
+
+
+def _regions(counter: Any) -> int:
+    return sum(
+        node.target is torch.ops.higher_order.tag_activation_checkpoint
+        for gm in counter.graphs
+        for node in gm.graph.nodes
+    )
+
+
+@pytest.mark.parametrize("kind", list(PLANS))
+def test_every_plan_kind_compiles_to_one_graph_with_exact_gradients(kind: str) -> None:
+    torch.manual_seed(0)
+    reference = Stack()
+    x = torch.randn(2, 8, 32)
+    model = copy.deepcopy(reference)
+    spec = PLANS[kind]
+    apply(model, spec["paths"], selective=spec.get("selective", ()))
+
+    compiled, counter = _compiled_once(model)
+    step = _step(compiled, (x,), {})
+    assert counter.frame_count == 1  # fullgraph=True: a graph break would have raised
+    # one region per recomputed call: a run is one region, a module one
+    assert _regions(counter) == len(spec["paths"])
+
+    expected = _step(torch.compile(copy.deepcopy(reference), backend="aot_eager"), (x,), {})
+    _assert_equal(step, expected)
+    _assert_equal(_step(model, (x,), {}), _step(reference, (x,), {}))  # eager too
+
+
+def test_the_planners_selective_budget_plan_compiles() -> None:
+    """The issue's case: a budget plan with selective entries (the default ``selective=True``),
+    made by :func:`autoremat.plan`, compiles with ``fullgraph=True`` on the GPT-shaped model."""
+    torch.manual_seed(0)
+    reference = TinyGPT(vocab=64, width=32, layers=3, heads=2, context=64)
+    idx = torch.randint(0, 64, (2, 64))
+    model = copy.deepcopy(reference)
+    plan = autoremat.plan(model, (idx, idx), budget="50%", objective="flops")
+    assert plan.selective, f"the plan has no selective entry, the test would be vacuous: {plan}"
+    plan.apply(model)
+
+    compiled, counter = _compiled_once(model)
+    step = _step(compiled, (idx, idx), {})
+    assert counter.frame_count == 1
+    assert _regions(counter) == len(plan.modules)
+    _assert_equal(step, _step(torch.compile(reference, backend="aot_eager"), (idx, idx), {}))
+
+
+def test_a_selective_plan_compiles_under_inductor_with_exact_gradients() -> None:
+    """Inductor itself (cold compile: some seconds), with ``fallback_random`` (eager dropout
+    masks): equal to the compiled unwrapped model up to float rounding (the two graphs fuse
+    differently; measured: relative error below 1e-6)."""
+    torch.manual_seed(0)
+    reference = Stack(width=16)
+    x = torch.randn(2, 4, 16)
+    model = copy.deepcopy(reference)
+    apply(model, ["blocks.0", "blocks[1:3]"], selective=["blocks.0"])
+    with torch._inductor.config.patch(fallback_random=True):
+        compiled, counter = _compiled_once(model, "inductor")
+        step = _step(compiled, (x,), {})
+        expected = _step(torch.compile(copy.deepcopy(reference)), (x,), {})
+    assert counter.frame_count == 1
+    assert _regions(counter) == 2
+    _assert_equal(step, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_hugging_face_budget_plan_compiles() -> None:
+    """Hugging Face Llama (attention dropout on) with a selective 50% plan: compiles (graph
+    breaks allowed: transformers decides that) and trains exactly as compiled unwrapped."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=64,
+        max_position_embeddings=64,
+        attention_dropout=0.1,
+    )
+    reference = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, 64))
+    kwargs = {"input_ids": ids, "labels": ids}
+    model = copy.deepcopy(reference)
+    plan = autoremat.plan(model, (), kwargs, budget="50%", objective="flops")
+    assert plan.selective, f"the plan has no selective entry, the test would be vacuous: {plan}"
+    plan.apply(model)
+    step = _step(torch.compile(model, backend="aot_eager"), (), kwargs)
+    _assert_equal(step, _step(torch.compile(reference, backend="aot_eager"), (), kwargs))
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_batchnorm_statistics_move_once_under_compile(selective: bool) -> None:
+    """BatchNorm in recomputed entries (a whole stage, a run of conv-BN-ReLU pairs), compiled:
+    the recompute in the backward graph does not move the running statistics a second time
+    (AOTAutograd writes buffer mutations back once, from the forward), so after a step the
+    buffers equal the compiled unwrapped model's, and the gradients too."""
+    torch.manual_seed(0)
+    reference = ConvNet(widths=(4, 8))
+    x = torch.randn(2, 3, 16, 16)
+    model = copy.deepcopy(reference)
+    apply(
+        model,
+        ["features.0", "features.1[0:2]"],
+        selective=["features.0"] if selective else (),
+    )
+    compiled, counter = _compiled_once(model)
+    step = _step(compiled, (x,), {})
+    assert counter.frame_count == 1 and _regions(counter) == 2
+    expected_model = copy.deepcopy(reference)
+    _assert_equal(step, _step(torch.compile(expected_model, backend="aot_eager"), (x,), {}))
+    moved = 0
+    for (name, b), (_, c) in zip(
+        expected_model.named_buffers(), model.named_buffers(), strict=True
+    ):
+        assert torch.equal(c, b), name
+        moved += int(not torch.equal(b, dict(reference.named_buffers())[name]))
+    assert moved > 0  # the statistics did move: the comparison is not vacuous
+
+
+# --- measuring and planning a compiled model --------------------------------------------------
+
+
+def _counting_calls() -> tuple[Any, list[int]]:
+    """A dynamo backend (eager) that counts the calls of the graphs it compiled."""
+    calls = [0]
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        def run(*args: Any) -> Any:
+            calls[0] += 1
+            return gm.forward(*args)
+
+        return run
+
+    return backend, calls
+
+
+def test_measure_and_plan_leave_a_compiled_model_compiled() -> None:
+    """Dynamo skips, for good, code it meets while a dispatch mode is active (pytorch#190286):
+    ``measure`` (FlopCounterMode) and ``plan`` (the profiler's modes) must run a compiled model
+    eagerly instead, so that afterwards its compiled graph runs again."""
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(8, 64, 32)
+    backend, calls = _counting_calls()
+    compiled = torch.compile(model, backend=backend)
+    compiled(x).backward()
+    assert calls[0] == 1
+    autoremat.measure(compiled, (x,))
+    autoremat.plan(compiled, (x,), budget="75%", objective="flops")
+    autoremat.plan(compiled, (x,), segments=2)
+    before = calls[0]
+    compiled(x).backward()
+    assert calls[0] == before + 1, "the compiled graph no longer runs"
+
+
+def test_the_cpu_allocator_tracker_agrees_with_the_storage_tracker_on_an_eager_step() -> None:
+    """:class:`CpuAllocatorMemory` (the profiler's allocator events) and :class:`LiveMemory`
+    (storages the ops return) on the same eager step: the same peak and saved bytes within 1%
+    (the allocator also sees kernels' scratch memory and 0-d temporaries)."""
+    torch.manual_seed(0)
+    model = Stack(width=64)
+    x = torch.randn(4, 16, 64)
+    tensors = autoremat.measure(model, (x,), memory="tensors")
+    allocator = autoremat.measure(model, (x,), memory="allocator")
+    assert allocator.peak == pytest.approx(tensors.peak, rel=0.01)
+    assert allocator.saved == pytest.approx(tensors.saved, rel=0.01)
+    assert 0 < allocator.saved < allocator.peak
+
+
+def test_a_compiled_model_is_measured_by_the_cpu_allocator() -> None:
+    """``measure`` of a compiled model replays the CPU allocator's events (a dispatch mode
+    would measure an eager run): two runs agree, and under ``aot_eager`` (eager kernels; the
+    compiled graphs free some temporaries earlier) the peak is at most the eager one and not
+    far below it. ``memory="tensors"`` is refused for a compiled model."""
+    torch.manual_seed(0)
+    model = Stack(width=64)
+    x = torch.randn(4, 16, 64)
+    eager = autoremat.measure(model, (x,), memory="allocator")
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(x).backward()  # warm: the compile's own memory is not the step's
+    first = autoremat.measure(compiled, (x,))
+    second = autoremat.measure(compiled, (x,))
+    assert first.peak == second.peak and first.saved == second.saved
+    assert 0.8 * eager.peak < first.peak <= 1.01 * eager.peak
+    assert 0 < first.saved < first.peak
+    assert first.flops == eager.flops  # counted on the model run eagerly
+    with pytest.raises(ValueError, match="memory='tensors' cannot measure a compiled model"):
+        autoremat.measure(compiled, (x,), memory="tensors")
+
+
+# --- a budget that holds under compile ---------------------------------------------------------
+
+
+def test_plan_for_compile_measures_the_compiled_step_within_the_budget() -> None:
+    """End to end with ``aot_eager``: the plan's compiled peak is measured, within the budget,
+    and the model is left unwrapped and as it was."""
+    from autoremat.compile_plan import plan_for_compile
+
+    torch.manual_seed(0)
+    model = Stack(width=64)
+    x = torch.randn(4, 32, 64)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    chosen = plan_for_compile(model, (x,), budget="60%", backend="aot_eager", objective="flops")
+    assert chosen.modules and chosen.budget is not None and chosen.compiled_peak is not None
+    assert 0 < chosen.compiled_peak <= chosen.budget
+    assert not autoremat.wrapped_paths(model)
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+
+
+def test_plan_for_compile_plans_again_below_the_overshoot(monkeypatch: pytest.MonkeyPatch):
+    """When the compiled step peaks over the budget, the model is planned again for the
+    budget minus the overshoot, until it fits; the plan keeps the budget asked for. Past the
+    lowest reachable peak, or after ``tries``, ``BudgetTooLow`` gives the compiled peaks."""
+    from autoremat import compile_plan
+
+    torch.manual_seed(0)
+    model = Stack(width=64)
+    x = torch.randn(4, 32, 64)
+    eager = autoremat.plan(model, (x,), budget="75%", objective="flops")
+    assert eager.budget is not None and eager.estimated_peak is not None
+    overshoot = eager.budget // 10
+    budgets: list[int] = []
+
+    def fake_peak(model: nn.Module, chosen: Any, *a: Any, **k: Any) -> int:
+        budgets.append(chosen.budget)
+        # the first plan overshoots by 10% of the budget; the replanned one fits
+        return chosen.estimated_peak + (overshoot if len(budgets) == 1 else 0)
+
+    monkeypatch.setattr(compile_plan, "compiled_peak", fake_peak)
+    chosen = compile_plan.plan_for_compile(model, (x,), budget="75%", objective="flops")
+    assert len(budgets) == 2
+    assert budgets[1] == budgets[0] - (eager.estimated_peak + overshoot - eager.budget)
+    assert chosen.budget == eager.budget and chosen.compiled_peak <= eager.budget
+
+    monkeypatch.setattr(compile_plan, "compiled_peak", lambda *a, **k: 10 * eager.budget)
+    with pytest.raises(autoremat.BudgetTooLow, match=r"under torch\.compile"):
+        compile_plan.plan_for_compile(model, (x,), budget="75%", objective="flops")
