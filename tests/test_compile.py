@@ -139,21 +139,25 @@ def test_the_planners_selective_budget_plan_compiles() -> None:
     _assert_equal(step, _step(torch.compile(reference, backend="aot_eager"), (idx, idx), {}))
 
 
-def test_a_selective_plan_compiles_under_inductor_with_exact_gradients() -> None:
-    """Inductor itself (cold compile: some seconds), with ``fallback_random`` (eager dropout
-    masks): equal to the compiled unwrapped model up to float rounding (the two graphs fuse
-    differently; measured: relative error below 1e-6)."""
+@pytest.mark.parametrize("kind", ["whole", "mixed"])
+def test_plan_kinds_compile_under_inductor_with_exact_gradients(kind: str) -> None:
+    """Inductor itself, on whole modules and on a plan mixing a run with selective entries
+    (each kind under inductor cold-compiles for 10-60 s here, so the suite runs these two; all
+    five kinds passed by hand), with ``fallback_random`` (eager dropout masks): one graph, one
+    region per entry, equal to the compiled unwrapped model up to float rounding (the two
+    graphs fuse differently; measured: relative error below 1e-6)."""
     torch.manual_seed(0)
     reference = Stack(width=16)
     x = torch.randn(2, 4, 16)
     model = copy.deepcopy(reference)
-    apply(model, ["blocks.0", "blocks[1:3]"], selective=["blocks.0"])
+    spec = PLANS[kind]
+    apply(model, spec["paths"], selective=spec.get("selective", ()))
     with torch._inductor.config.patch(fallback_random=True):
         compiled, counter = _compiled_once(model, "inductor")
         step = _step(compiled, (x,), {})
         expected = _step(torch.compile(copy.deepcopy(reference)), (x,), {})
     assert counter.frame_count == 1
-    assert _regions(counter) == 2
+    assert _regions(counter) == len(spec["paths"])
     _assert_equal(step, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -305,8 +309,9 @@ def test_plan_for_compile_measures_the_compiled_step_within_the_budget() -> None
 
 def test_plan_for_compile_plans_again_below_the_overshoot(monkeypatch: pytest.MonkeyPatch):
     """When the compiled step peaks over the budget, the model is planned again for the
-    budget minus the overshoot, until it fits; the plan keeps the budget asked for. Past the
-    lowest reachable peak, or after ``tries``, ``BudgetTooLow`` gives the compiled peaks."""
+    budget minus the overshoot (doubled at each later try), until it fits; the plan keeps the
+    budget asked for. Past the lowest reachable peak, or after ``tries``, ``BudgetTooLow``
+    gives the compiled peaks."""
     from autoremat import compile_plan
 
     torch.manual_seed(0)

@@ -231,3 +231,80 @@ def test_hooks_can_tell_a_recompute_from_the_forward() -> None:
     train_step(model, (torch.randn(4, 8),), {})
     assert seen == [False, True]
     assert not autoremat.is_recomputing()
+
+
+# --- more of the same families, planned as a user would ------------------------------------
+
+
+class ConvBlock(nn.Module):
+    """Conv, a stateful normalisation, an in-place activation at the module boundary."""
+
+    def __init__(self, norm: nn.Module, channels: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = norm
+        self.act = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.act(self.norm(self.conv(x))))
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [
+        pytest.param(lambda: nn.BatchNorm2d(4, momentum=None), id="batchnorm-cumulative"),
+        pytest.param(lambda: nn.InstanceNorm2d(4, track_running_stats=True), id="instancenorm"),
+        pytest.param(lambda: nn.GroupNorm(2, 4), id="groupnorm"),
+    ],
+)
+def test_planned_conv_blocks_with_stateful_norms_and_inplace_relu(norm: Any) -> None:
+    """A budget plan over conv blocks whose norms keep statistics and whose ReLUs work in
+    place: applied as planned, two steps equal the unwrapped model's (buffers included)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        ConvBlock(norm()),
+        ConvBlock(norm()),
+        ConvBlock(norm()),
+        nn.Flatten(),
+        nn.Linear(4 * 8 * 8, 1),
+    )
+    x = torch.randn(4, 4, 8, 8)
+    reference = copy.deepcopy(model)
+    chosen = autoremat.plan(model, (x,), segments=3)
+    assert chosen.modules
+    chosen.apply(model)
+    _two_steps_equal(reference, model, x)
+
+
+def test_a_lazy_module_planned_then_trained() -> None:
+    """``nn.LazyLinear`` inside a recomputed block: planning's first forward initialises it
+    (and it stays initialised); the wrapped model then trains as an unwrapped copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LazyLinear(8), nn.Dropout(0.1)),
+        nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
+        nn.Linear(8, 1),
+    )
+    x = torch.randn(16, 8)
+    chosen = autoremat.plan(model, (x,), segments=2)
+    assert "0" in chosen.modules or any(m.startswith("0") for m in chosen.modules)
+    reference = copy.deepcopy(model)
+    chosen.apply(model)
+    _two_steps_equal(reference, model, x)
+
+
+def test_a_weight_parametrization_in_a_recomputed_module() -> None:
+    """``parametrizations.orthogonal`` and ``weight_norm``: the weight is computed from its
+    parametrization inside the recompute again, with the same value."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(
+        nn.utils.parametrizations.orthogonal(nn.Linear(8, 8)),
+        nn.Tanh(),
+        nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)),
+        nn.Dropout(0.1),
+    )
+    reference = nn.Sequential(inner, nn.Linear(8, 1))
+    wrapped = copy.deepcopy(reference)
+    apply(wrapped, ["0"])
+    _two_steps_equal(reference, wrapped, torch.randn(16, 8))

@@ -240,7 +240,14 @@ def budget(
         if compile_backend is None:
             chosen = plan(model, args, kwargs, **options)
         else:
-            chosen = plan_for_compile(model, args, kwargs, backend=compile_backend, **options)
+            chosen = plan_for_compile(
+                model,
+                args,
+                kwargs,
+                backend=compile_backend,
+                inductor_config={"fallback_random": True},  # as compiled() compiles
+                **options,
+            )
         applied = chosen.apply(model)
         assert chosen.estimated_peak is not None and chosen.budget is not None
         note = (
