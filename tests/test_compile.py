@@ -336,3 +336,29 @@ def test_plan_for_compile_plans_again_below_the_overshoot(monkeypatch: pytest.Mo
     monkeypatch.setattr(compile_plan, "compiled_peak", lambda *a, **k: 10 * eager.budget)
     with pytest.raises(autoremat.BudgetTooLow, match=r"under torch\.compile"):
         compile_plan.plan_for_compile(model, (x,), budget="75%", objective="flops")
+
+
+def test_in_place_relu_inside_selective_entries_under_compile() -> None:
+    """conv -> BatchNorm -> ReLU(inplace=True) blocks recomputed selectively, compiled: torch
+    warns about in-place ops in a ``context_fn`` region; loss, gradients and statistics still
+    equal the compiled unwrapped model's (an in-place op on a tensor made inside the region)."""
+
+    def block() -> nn.Sequential:
+        return nn.Sequential(
+            nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Dropout(0.1)
+        )
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(block(), block(), nn.Flatten(), nn.Linear(4 * 8 * 8, 1))
+    x = torch.randn(2, 4, 8, 8)
+    model = copy.deepcopy(reference)
+    apply(model, ["0", "1"], selective=["0", "1"])
+    compiled, counter = _compiled_once(model)
+    step = _step(compiled, (x,), {})
+    assert counter.frame_count == 1 and _regions(counter) == 2
+    expected_model = copy.deepcopy(reference)
+    _assert_equal(step, _step(torch.compile(expected_model, backend="aot_eager"), (x,), {}))
+    for (name, b), (_, c) in zip(
+        expected_model.named_buffers(), model.named_buffers(), strict=True
+    ):
+        assert torch.equal(c, b), name

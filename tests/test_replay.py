@@ -555,3 +555,23 @@ def test_budget_plans_of_examples_leave_nothing_out(name: str) -> None:
 
     model, args, kwargs = EXAMPLES[name]()
     assert autoremat.plan(model, args, kwargs, budget=0.7).left_out == {}
+
+
+def test_budget_too_low_names_the_modules_left_out() -> None:
+    """When modules that would have freed memory were left out, the infeasible budget's
+    message says so (they may be why it cannot be met)."""
+
+    class Warm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 16)
+            self.step = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.step += 1
+            return self.b(torch.tanh(self.a(x))) * min(1.0, self.step / 10)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Warm(), nn.Linear(16, 1))
+    with pytest.raises(autoremat.BudgetTooLow, match=r"left out \('\(root\)', '0'"):
+        autoremat.plan(model, (torch.randn(512, 16),), budget="30%")

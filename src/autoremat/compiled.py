@@ -12,6 +12,7 @@ its frames (``torch.compiler.set_stance("force_eager")``), leaving its compiled 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -34,9 +35,12 @@ def is_compiled(model: nn.Module) -> bool:
 @contextlib.contextmanager
 def running_eagerly(model: nn.Module) -> Iterator[None]:
     """Inside, a compiled ``model`` runs eagerly and dispatch modes cannot make dynamo skip
-    its code for good; a model that is not compiled is untouched."""
+    its code for good; a model that is not compiled is untouched. torch's warning that a
+    compiled module runs with global module hooks (``FlopCounterMode`` registers some) is
+    silenced meanwhile: those hooks are autoremat's own, for that one run."""
     if not is_compiled(model):
         yield
         return
-    with torch.compiler.set_stance("force_eager"):
+    with torch.compiler.set_stance("force_eager"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there")
         yield

@@ -68,7 +68,7 @@ def _choose(prof: Profile, request: Request) -> dict[str, Any]:
     skipped: dict[str, str] = {}
     root = planning_tree(prof, request.selective, skipped, request.objective)
     log_left_out(skipped, request.model_name)
-    chosen = [] if limit >= prof.peak else _solve(prof, root, limit, request)
+    chosen = [] if limit >= prof.peak else _solve(prof, root, limit, request, skipped)
     seconds = {i.path: recompute_seconds(prof, i) for i in chosen}
     return {
         "modules": tuple(i.path for i in chosen),
@@ -84,7 +84,9 @@ def _choose(prof: Profile, request: Request) -> dict[str, Any]:
     }
 
 
-def _solve(prof: Profile, root: Item, limit: int, request: Request) -> list[Item]:
+def _solve(
+    prof: Profile, root: Item, limit: int, request: Request, skipped: dict[str, str]
+) -> list[Item]:
     forward, after = prof.forward_points, prof.backward_points
     try:
         chosen = solve(root, after, limit - HEADROOM, forward)
@@ -96,7 +98,7 @@ def _solve(prof: Profile, root: Item, limit: int, request: Request) -> list[Item
             f"recomputing modules of {request.model_name} reaches, {format_size(least)} "
             f"({least / prof.peak:.0%} of the {format_size(prof.peak)} peak without "
             f"recompute; about {least} bytes). Try budget={least}, a smaller batch, or "
-            f"mixed precision.",
+            f"mixed precision.{_left_out_hint(skipped)}",
             least,
             prof.peak,
         ) from None
@@ -115,6 +117,19 @@ def _solve(prof: Profile, root: Item, limit: int, request: Request) -> list[Item
                 sum(i.flops for i in chosen) / 1e9,
             )
     return chosen
+
+
+def _left_out_hint(skipped: dict[str, str]) -> str:
+    """What the BudgetTooLow message adds when modules that would have freed memory were left
+    out of the plan: they may be why the budget cannot be met."""
+    if not skipped:
+        return ""
+    names = ", ".join(repr(p or "(root)") for p in list(skipped)[:3])
+    more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+    return (
+        f" {len(skipped)} module(s) that would have freed memory cannot be recomputed and were "
+        f"left out ({names}{more}; the reasons are logged on the 'autoremat' logger)."
+    )
 
 
 STRATEGY = Strategy(name="budget", keyword="budget", needs="profile", check=_check, choose=_choose)
