@@ -40,10 +40,10 @@ def _step_seconds(model: Any, args: Any, kwargs: Any) -> float:
 
 def _guards_off() -> dict[str, Any]:
     """Replace the guards' bookkeeping by no-ops; returns what to put back."""
-    saved = {name: getattr(replay, name) for name in ("_buffers", "_host_rng", "_set_host_rng")}
+    saved = {name: getattr(replay, name) for name in ("_buffers", "get_host_rng", "set_host_rng")}
     replay._buffers = lambda owners: {}  # type: ignore[assignment]
-    replay._host_rng = lambda: (None, None)  # type: ignore[assignment]
-    replay._set_host_rng = lambda states: None  # type: ignore[assignment]
+    replay.get_host_rng = lambda: (None, None)  # type: ignore[assignment]
+    replay.set_host_rng = lambda states: None  # type: ignore[assignment]
     return saved
 
 

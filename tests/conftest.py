@@ -14,9 +14,7 @@ from autoremat.nested import iter_tensors
 
 # No test may depend on timing: hypothesis's per-example deadline (200 ms by default) and its
 # too-slow health check fail tests on a busy machine, so both are off for every property test.
-settings.register_profile(
-    "autoremat", deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("autoremat", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("autoremat")
 
 
@@ -57,6 +55,29 @@ def assert_same_step(reference: nn.Module, wrapped: nn.Module, args: tuple, kwar
     assert grads > 0, "no parameter received a gradient: the comparison would be vacuous"
     for (name, b), (_, c) in zip(reference.named_buffers(), wrapped.named_buffers(), strict=True):
         torch.testing.assert_close(c, b, rtol=0, atol=0, msg=name)
+
+
+def tiny_llama() -> tuple[nn.Module, torch.Tensor]:
+    """A Hugging Face ``LlamaForCausalLM`` (3 layers, width 64, GQA 4/2 heads, attention
+    dropout 0.1, training mode) and input ids (4 x 64), the same on every call; skips the
+    test without transformers."""
+    t = pytest.importorskip("transformers")
+    t.logging.set_verbosity_error()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = t.LlamaConfig(
+            num_hidden_layers=3,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=200,
+            max_position_embeddings=128,
+            attention_dropout=0.1,
+        )
+        model = t.LlamaForCausalLM(config).train()
+        ids = torch.randint(0, 200, (4, 64))
+    return model, ids
 
 
 @pytest.fixture(params=list(EXAMPLES))

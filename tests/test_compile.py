@@ -24,7 +24,7 @@ import autoremat
 from autoremat.examples import Block, ConvNet, TinyGPT
 from autoremat.selective import WAYS
 from autoremat.wrap import apply
-from conftest import loss_of
+from conftest import loss_of, tiny_llama
 
 
 class Stack(nn.Module):
@@ -164,21 +164,7 @@ def test_plan_kinds_compile_under_inductor_with_exact_gradients(kind: str) -> No
 def test_a_hugging_face_budget_plan_compiles() -> None:
     """Hugging Face Llama (attention dropout on) with a selective 50% plan: compiles (graph
     breaks allowed: transformers decides that) and trains exactly as compiled unwrapped."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        vocab_size=64,
-        max_position_embeddings=64,
-        attention_dropout=0.1,
-    )
-    reference = transformers.LlamaForCausalLM(config).train()
-    ids = torch.randint(0, 64, (2, 64))
+    reference, ids = tiny_llama()
     kwargs = {"input_ids": ids, "labels": ids}
     model = copy.deepcopy(reference)
     plan = autoremat.plan(model, (), kwargs, budget="50%", objective="flops")

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import CheckpointError
 
 import autoremat
+from conftest import tiny_llama
 
 BF16 = torch.bfloat16
 
@@ -192,7 +193,7 @@ def test_mixed_precision_is_bitwise_identical_and_recomputes_in_the_forward_dtyp
 
 def test_autocast_on_a_hugging_face_llama_is_bitwise_identical():
     """A tiny Llama (dropout in attention) under bf16 autocast, plan made under autocast."""
-    reference, ids = _tiny_llama()
+    reference, ids = tiny_llama()
     model = copy.deepcopy(reference)
     kwargs = {"input_ids": ids, "labels": ids}
     with _bf16():
@@ -445,25 +446,6 @@ def test_an_explicit_cache_object_in_training_fails_clearly(name):
 # --- 4. frozen model, LoRA-like adapters ------------------------------------------------------
 
 
-def _tiny_llama() -> tuple[nn.Module, torch.Tensor]:
-    t = _transformers()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config = t.LlamaConfig(
-            num_hidden_layers=3,
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            vocab_size=200,
-            max_position_embeddings=128,
-            attention_dropout=0.1,
-        )
-        model = t.LlamaForCausalLM(config).train()
-        ids = torch.randint(0, 200, (4, 64))
-    return model, ids
-
-
 class LoRALinear(nn.Module):
     """A frozen Linear plus a trainable low-rank update (both factors random, so both get
     non-zero gradients)."""
@@ -485,7 +467,7 @@ def test_frozen_llama_with_adapters_trains_identically(trainable, how):
     only the ``q_proj`` weights or LoRA factors on ``q_proj``/``v_proj`` train: gradients are
     bitwise equal to the unwrapped model's, non-zero on every trainable parameter, None on
     every frozen one."""
-    model, ids = _tiny_llama()
+    model, ids = tiny_llama()
     model.requires_grad_(False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)

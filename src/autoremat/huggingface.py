@@ -27,6 +27,7 @@ from torch import nn
 from autoremat.classes import Hook, pickle_as_plain, stop_pickling_as_plain
 
 __all__ = [
+    "cache_modules",
     "cache_off_in_training",
     "is_pretrained_model",
     "remove_cache_hooks",
@@ -70,7 +71,7 @@ def is_pretrained_model(model: nn.Module) -> bool:
 def _use_cache_index(m: nn.Module) -> int | None:
     """For a Hugging Face-style model (a module with ``config.use_cache`` and a ``use_cache``
     argument), the position of ``use_cache`` among its forward's arguments; else None."""
-    if not hasattr(getattr(m, "config", None), "use_cache"):
+    if not _has_cache_config(m):
         return None
     try:
         params = list(inspect.signature(type(m).forward).parameters)
@@ -79,6 +80,17 @@ def _use_cache_index(m: nn.Module) -> int | None:
     if "use_cache" not in params:
         return None
     return params.index("use_cache") - 1  # without self
+
+
+def cache_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules of ``model`` (with their paths) that :func:`turn_cache_off_in_training`
+    may hook and :func:`remove_cache_hooks` may unhook: those with a ``config.use_cache`` (a
+    few per model), for the wrap to keep whole while either runs."""
+    return [(p, m) for p, m in model.named_modules() if _has_cache_config(m)]
+
+
+def _has_cache_config(m: nn.Module) -> bool:
+    return hasattr(getattr(m, "config", None), "use_cache")
 
 
 def turn_cache_off_in_training(model: nn.Module, warn: bool = True) -> None:

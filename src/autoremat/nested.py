@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["iter_tensors", "run_model", "storage_key"]
+__all__ = ["iter_tensors", "run_model", "storage_key", "version_of"]
 
 _ATOMS = (str, bytes, int, float, bool, complex, type(None), nn.Module, type)
 
@@ -58,6 +58,15 @@ def storage_key(t: torch.Tensor) -> int | None:
     try:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
+        return None
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place change); ``None`` for an inference
+    tensor, which has none."""
+    try:
+        return t._version
+    except RuntimeError:
         return None
 
 

@@ -33,8 +33,6 @@ runs inside one.
 
 from __future__ import annotations
 
-import random
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -44,7 +42,8 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 from torch.utils.checkpoint import CheckpointError
 
-from autoremat.nested import iter_tensors
+from autoremat.host_rng import HostRng, get_host_rng, set_host_rng
+from autoremat.nested import iter_tensors, version_of
 
 __all__ = ["CheckpointedCall", "is_recomputing"]
 
@@ -58,7 +57,7 @@ def is_recomputing() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
-Signature = list[tuple[str, int, tuple[int, ...], int]]
+Signature = list[tuple[str, int, tuple[int, ...], int | None]]
 # (module, buffer name) -> the tensor there (None: a None buffer; the marker ``...``: no slot)
 Buffers = dict[tuple[nn.Module, str], Any]
 Values = dict[tuple[nn.Module, str], tuple[torch.Tensor, torch.Tensor]]
@@ -77,7 +76,7 @@ class CheckpointedCall:
         self.first = True
         self.signature: Signature = []
         self.before: Buffers = {}  # pre-forward values of the buffers the forward changed
-        self.host_rng: tuple[Any, Any] = (None, None)
+        self.host_rng: HostRng = (None, None)
 
     def run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)``: the forward on the first call, a guarded recompute after."""
@@ -89,12 +88,12 @@ class CheckpointedCall:
         self.first = False
         self.signature = _state_signature(args, kwargs)
         versions = _positional_versions(args)
-        self.host_rng = _host_rng()
+        self.host_rng = get_host_rng()
         objects = _buffers(self.owners)
         values = _values(objects)
         out = fn(*args, **kwargs)
         self.before = _changed(objects, values, _buffers(self.owners))
-        changed = [i for i, t, v in versions if _version(t) != v]
+        changed = [i for i, t, v in versions if version_of(t) != v]
         if changed:
             raise CheckpointError(self._own_input_message(changed))
         return out
@@ -105,15 +104,15 @@ class CheckpointedCall:
             raise CheckpointError(self._changed_message(now))
         after = _buffers(self.owners)
         values = _values(after)
-        present_rng = _host_rng()
+        present_rng = get_host_rng()
         _install({key: _copy(value) for key, value in self.before.items()})
-        _set_host_rng(self.host_rng)
+        set_host_rng(self.host_rng)
         _state.depth = getattr(_state, "depth", 0) + 1
         try:
             return fn(*args, **kwargs)
         finally:
             _state.depth -= 1
-            _set_host_rng(present_rng)
+            set_host_rng(present_rng)
             _restore(self.owners, after)
             _reset_values(values)
 
@@ -219,30 +218,8 @@ def _reset_values(values: Values) -> None:
                 buffer.copy_(value)
 
 
-def _host_rng() -> tuple[Any, Any]:
-    """Python's and (when imported) NumPy's global generator states."""
-    numpy = sys.modules.get("numpy")
-    return random.getstate(), None if numpy is None else numpy.random.get_state()
-
-
-def _set_host_rng(states: tuple[Any, Any]) -> None:
-    python, numpy_state = states
-    if python is not None:
-        random.setstate(python)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and numpy_state is not None:
-        numpy.random.set_state(numpy_state)
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return -1
-
-
-def _positional_versions(args: tuple[Any, ...]) -> list[tuple[int, torch.Tensor, int]]:
-    return [(i, a, _version(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+def _positional_versions(args: tuple[Any, ...]) -> list[tuple[int, torch.Tensor, int | None]]:
+    return [(i, a, version_of(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
 
 
 def _state_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
@@ -256,7 +233,7 @@ def _state_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature
     """
     own = {f"inputs[0][{i}]" for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
     return [
-        (where, id(t), tuple(t.shape), _version(t))
+        (where, id(t), tuple(t.shape), version_of(t))
         for where, t in iter_tensors((args, kwargs), "inputs", objects=True, depth=6)
         if where not in own
     ]

@@ -79,7 +79,7 @@ import torch
 from torch import nn
 
 from autoremat.classes import ATTR_PREFIX
-from autoremat.nested import iter_tensors, storage_key
+from autoremat.nested import iter_tensors, storage_key, version_of
 
 __all__ = ["MAX_DEPTH", "MAX_TOKENS", "ReplayCheck", "module_state"]
 
@@ -100,13 +100,6 @@ _CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
 # objects compared by identity only: their attributes are code or torch's, not state
 _OPAQUE = (nn.Module, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
            types.MethodType, functools.partial, torch.Tensor)  # fmt: skip
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return None
 
 
 class _Ref:
@@ -212,7 +205,7 @@ class _Flattener:
         elif isinstance(value, (*_BY_VALUE, numbers.Number)):
             out.append((type(value), value))
         elif isinstance(value, torch.Tensor):
-            out.append(_Ref(value, _version(value)))
+            out.append(_Ref(value, version_of(value)))
         elif isinstance(value, _CONTAINERS):
             out.append((type(value), len(value)))
             if depth:
@@ -296,7 +289,7 @@ class _Input:
         t = self.tensor if self.tensor is not None else self.ref()
         if t is None and self.base is not None:
             t = self.base()
-        return t is not None and _version(t) != self.version
+        return t is not None and version_of(t) != self.version
 
 
 @dataclass
@@ -318,7 +311,7 @@ def _inputs(call: _Call, args: Any, kwargs: Any) -> list[_Input]:
     found = []
     tensors = itertools.chain(iter_tensors(args, "args"), iter_tensors(kwargs, "kwargs"))
     for where, t in tensors:
-        version = _version(t)
+        version = version_of(t)
         if version is None:
             continue
         base = t._base

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import random
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -54,6 +53,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+
+from autoremat.host_rng import get_host_rng, set_host_rng
+from autoremat.nested import version_of
 
 __all__ = ["RestoreError", "UndoLog", "all_or_nothing", "preserved"]
 
@@ -279,13 +281,6 @@ def _storage(t: torch.Tensor) -> Any:
         return None
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return -1
-
-
 class _TensorState:
     """A parameter or buffer: identity, class, layout, storage, ``requires_grad``, and with
     ``copy`` (buffers) a copy of its values, else (parameters) its version. A tensor on the
@@ -301,7 +296,7 @@ class _TensorState:
         self.storage = _storage(t)
         self.requires_grad = t.requires_grad
         meta = t.device.type == "meta"
-        self.version = None if copy or meta else _version(t)
+        self.version = None if copy or meta else version_of(t)
         self.value = None
         if copy and not meta:
             with torch.no_grad():
@@ -319,7 +314,7 @@ class _TensorState:
         if t.requires_grad != self.requires_grad:
             t.requires_grad_(self.requires_grad)
         if self.value is None:
-            if self.version is not None and _version(t) != self.version:
+            if self.version is not None and version_of(t) != self.version:
                 written.append(self.name)
             return
         with torch.no_grad():
@@ -349,9 +344,7 @@ class _Generators:
     def __init__(self) -> None:
         self.cpu = torch.random.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.python = random.getstate()
-        numpy = sys.modules.get("numpy")
-        self.numpy = None if numpy is None else numpy.random.get_state()
+        self.host = get_host_rng()
 
     def restore(self, failures: _Failures) -> None:
         failures.attempt("torch's random state", lambda: torch.random.set_rng_state(self.cpu))
@@ -363,10 +356,7 @@ class _Generators:
                 "CUDA's random state",
                 lambda: torch.cuda.manual_seed_all(torch.cuda.initial_seed()),
             )
-        failures.attempt("Python's random state", lambda: random.setstate(self.python))
-        numpy = sys.modules.get("numpy")
-        if numpy is not None and self.numpy is not None:
-            failures.attempt("NumPy's random state", lambda: numpy.random.set_state(self.numpy))
+        failures.attempt("Python's and NumPy's random states", lambda: set_host_rng(self.host))
 
 
 def _fsdp_classes() -> tuple[type, ...]:
@@ -405,7 +395,7 @@ class _Snapshot:
         self.tensors = list(tensors.values())
         named = [*model.named_parameters(), *((f"inputs[{i}]", t) for i, t in enumerate(inputs))]
         self.grads = [
-            (name, p, p.grad, None if p.grad is None else _version(p.grad))
+            (name, p, p.grad, None if p.grad is None else version_of(p.grad))
             for name, p in named
             if not is_lazy(p)
         ]
@@ -422,7 +412,7 @@ class _Snapshot:
             failures.attempt(f"tensor {t.name!r}", functools.partial(t.restore, written))
         for name, p, grad, version in self.grads:
             failures.attempt(f"the .grad of {name!r}", functools.partial(_set_grad, p, grad))
-            if grad is not None and _version(grad) != version:
+            if grad is not None and version_of(grad) != version:
                 written.append(f"{name}.grad")
         self.generators.restore(failures)
         if written:

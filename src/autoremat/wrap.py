@@ -313,7 +313,7 @@ def apply(
             for name, value in attributes.items():
                 log.set_attribute(path, m, name, value)
         if chosen:
-            log.keep(_cache_hook_candidates(model))
+            log.keep(huggingface.cache_modules(model))
             huggingface.turn_cache_off_in_training(model)
     return model
 
@@ -339,15 +339,6 @@ def _changes(
         attributes = {_PATH_ATTR: parent, _RUNS_ATTR: tuple(sorted(spans))}
         changes.append((parent, seq, _class_for(parent, CheckpointedRuns, seq), attributes))
     return changes
-
-
-def _cache_hook_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules :mod:`autoremat.huggingface` may hook or unhook: those with a
-    ``config.use_cache`` (its rule, less the ``use_cache`` argument check; a few per model),
-    kept whole while it runs so that a failure puts them back."""
-    return [
-        (p, m) for p, m in model.named_modules() if hasattr(getattr(m, "config", None), "use_cache")
-    ]
 
 
 def _class_for(path: str, mixin: type, m: nn.Module) -> type:
@@ -479,6 +470,6 @@ def remove(model: nn.Module) -> nn.Module:
                 for name in (_PATH_ATTR, _RUNS_ATTR, _CONTEXT_ATTR):
                     if name in m.__dict__:
                         log.set_attribute(path, m, name)
-        log.keep(_cache_hook_candidates(model))
+        log.keep(huggingface.cache_modules(model))
         huggingface.remove_cache_hooks(model)
     return model
