@@ -47,7 +47,7 @@ def compiled_peak(
     ``chosen`` applied and compiled by ``torch.compile(backend=backend)``, measured after a
     warm-up step (:func:`autoremat.measure` of a compiled model), with
     ``torch._inductor.config`` patched by ``inductor_config`` meanwhile (compile-time options
-    change what the compiled step keeps: ``fallback_random`` moves ViT's peak by 2-4 MiB of
+    change what the compiled step keeps: ``fallback_random`` moves ViT's peak by about 2 MiB of
     32). The model is left as found:
     unwrapped, its state restored (:func:`autoremat.snapshot.preserved`); dynamo keeps the
     graphs it compiled for the wrapped classes (they match nothing once unwrapped).
