@@ -792,16 +792,21 @@ class SharedDropoutLayer(nn.Module):
         return x + self.dropout(self.mlp(self.norm(x)))
 
 
-def test_siblings_of_a_module_called_twice_stay_candidates():
-    """The shared dropout is left out, not its siblings: the planner can still recompute the
-    MLP, and the plan it picks measures within its budget and trains identically."""
+def test_each_call_of_a_module_called_twice_is_a_candidate():
+    """The shared dropout's two calls are two nodes, each placed where it ran (between its
+    siblings) and a candidate, as are its siblings: the plan picks measures within its budget
+    and trains identically."""
     torch.manual_seed(0)
     model = nn.Sequential(SharedDropoutLayer(), SharedDropoutLayer())
     args = (torch.randn(512, 256),)
     prof = autoremat.profile(model, args)
     items = {i.path: i for i in planning_tree(prof).walk()}
-    assert not items["0.dropout"].candidate
-    assert items["0.mlp"].candidate and items["0.norm"].candidate and items["0.attn"].candidate
+    assert "0.dropout" not in items and prof.calls_of("0.dropout") == ["0.dropout@0", "0.dropout@1"]
+    assert all(items[p].candidate for p in ("0.dropout@0", "0.dropout@1", "0.mlp", "0.attn"))
+    order = sorted(
+        ["0.attn", "0.dropout@0", "0.norm", "0.mlp", "0.dropout@1"], key=lambda p: items[p].end
+    )
+    assert order == ["0.attn", "0.dropout@0", "0.norm", "0.mlp", "0.dropout@1"]
     plan = autoremat.plan(model, args, budget=0.75)
     wrapped = plan.apply(copy.deepcopy(model))
     assert autoremat.measure(wrapped, args).peak <= plan.budget

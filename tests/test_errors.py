@@ -151,12 +151,24 @@ def test_remove_on_a_model_never_wrapped_is_a_no_op() -> None:
     assert_same_state(before, state(model))
 
 
-class Shared(nn.Module):
-    """``mlp`` runs before and after ``other``: its calls interleave with a sibling's."""
+class CountingMLP(nn.Sequential):
+    """Counts its calls in a Python attribute (a recompute could not replay that)."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(16, 256), nn.GELU(), nn.Linear(256, 16))
+        self.seen = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return super().forward(x)
+
+
+class Counting(nn.Module):
+    """``mlp`` counts its calls and runs before and after ``other``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Linear(256, 16))
+        self.mlp = CountingMLP()
         self.other = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Linear(256, 16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,13 +176,16 @@ class Shared(nn.Module):
 
 
 def test_skipped_module_is_logged_once_with_the_reason(caplog: pytest.LogCaptureFixture) -> None:
-    model = nn.Sequential(Shared(), nn.Linear(16, 4))
+    """A module left out is named once, by its path (not once per call), with the reason;
+    no call of it is in the plan, while ``other`` between its calls can be."""
+    model = nn.Sequential(Counting(), nn.Linear(16, 4))
     with caplog.at_level(logging.WARNING, logger="autoremat"):
         plan = autoremat.plan(model, (torch.randn(64, 16),), budget="90%")
     messages = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert len(messages) == 1
-    assert "'0.mlp': it runs several times, interleaved" in messages[0]
-    assert "0.mlp" not in plan.modules
+    assert messages[0].count("'0.mlp': its forward changes the Python attribute 'seen'") == 1
+    assert not any(e.startswith("0.mlp") for e in plan.modules), plan.modules
+    assert "0.mlp" in plan.left_out and plan.modules
 
 
 def test_budget_near_the_lowest_peak_is_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -14,9 +14,12 @@ What is checked, so that a file from elsewhere can do no more than fail to load:
 * the ``fingerprint``: present (a plan without one would apply to any model) and the hash of
   the plan's ``structure``, so that :meth:`~autoremat.plans.Plan.apply` refuses any model of
   another structure;
-* every entry of ``modules``: a module of that structure, or a run ``path[i:j]`` with
-  ``i < j <= `` the number of children there (arithmetic: a run is never expanded), and none
-  inside another (:func:`autoremat.entries.first_nested`);
+* every entry of ``modules``: a module of that structure, a call ``path@k`` of one, or a run
+  ``path[i:j]`` with ``i < j <= `` the number of children there (arithmetic: a run is never
+  expanded), and none inside another (:func:`autoremat.entries.first_nested`);
+* ``calls`` (the calls a module named by call entries made when the plan was made): modules
+  of that structure, each a count in ``[1, 2**63)`` above the index of every call entry of the
+  module; a file without it (saved before it existed) loads with none;
 * each field's type and range (counts are integers in ``[0, 2**63)``, seconds finite numbers
   >= 0); every choice among ``modules``, a selective one with its ops in ``selective``;
 * ``left_out`` (the modules the strategy left out, with their reasons): modules of that
@@ -39,7 +42,7 @@ import reprlib
 from collections.abc import Callable
 from typing import Any
 
-from autoremat.entries import ENTRY, first_nested, parse_run
+from autoremat.entries import ENTRY, first_nested, module_of, parse_call, parse_run
 from autoremat.plans import FORMAT, Choice, Plan, structure_fingerprint
 from autoremat.selective import DEFAULT_SAVE_OPS, FULL, WAYS, check_names
 
@@ -231,6 +234,7 @@ def plan_from_dict(data: Any, where: str = "the data") -> Plan:
         choices=_choices(fields, modules, selective),
         selective=selective,
         left_out=_left_out(fields, lines),
+        calls=_calls(fields, lines, modules),
         fingerprint=data["fingerprint"],
         structure=lines,
     )
@@ -334,9 +338,11 @@ def _modules(fields: _Fields, lines: tuple[str, ...]) -> tuple[str, ...]:
             children[parent] = children.get(parent, 0) + 1
     for entry in modules:
         if not ENTRY.fullmatch(entry):
-            raise fields.bad(f"module entry {_shown(entry)} is not a module path or path[i:j]")
+            raise fields.bad(
+                f"module entry {_shown(entry)} is not a module path, path@k or path[i:j]"
+            )
         run = parse_run(entry)
-        if run is None and entry not in paths:
+        if run is None and module_of(entry) not in paths:
             raise fields.bad(
                 f"module entry {_shown(entry)} is not a module of the plan's 'structure'"
             )
@@ -381,9 +387,32 @@ def _selective(fields: _Fields, modules: tuple[str, ...]) -> dict[str, tuple[str
     odd = [e for e in selective if not isinstance(e, str) or e not in known or parse_run(e)]
     if odd:
         raise fields.bad(
-            f"field 'selective': entries {_shown(odd[:5])} are not module paths among 'modules'"
+            f"field 'selective': entries {_shown(odd[:5])} are not module paths or calls among "
+            f"'modules'"
         )
     return selective
+
+
+def _calls(fields: _Fields, lines: tuple[str, ...], modules: tuple[str, ...]) -> dict[str, int]:
+    """The calls each module named by call entries made when the plan was made: modules of
+    ``lines``, counts above every call index the entries name; empty when the field is
+    missing (plans saved before it existed)."""
+    raw = fields.get("calls", dict) if "calls" in fields.data else {}
+    paths = {line.rpartition(" ")[0] for line in lines}
+    for path, count in raw.items():
+        if path not in paths or not _is_count(count) or count < 1:
+            raise fields.bad(
+                f"field 'calls' maps {_shown(path)} to {_shown(count)}, expected a module of the "
+                f"plan's 'structure' and a count >= 1"
+            )
+    for entry in modules:
+        call = parse_call(entry)
+        if call is not None and call[0] in raw and call[1] >= raw[call[0]]:
+            raise fields.bad(
+                f"module entry {_shown(entry)} names call {call[1]}, but field 'calls' says "
+                f"{_shown(call[0])} ran {raw[call[0]]} times"
+            )
+    return dict(raw)
 
 
 def _left_out(fields: _Fields, lines: tuple[str, ...]) -> dict[str, str]:

@@ -102,8 +102,9 @@ def _evidence(
     if strategy.needs == "profile":
         with running_eagerly(model):
             prof = profile(model, args, kwargs, loss_fn=request.loss_fn)
-        _require_submodules(model, prof.tree)
-        return prof, prof.tree
+        assert prof.module_tree is not None, "profile() sets it"
+        _require_submodules(model, prof.module_tree)
+        return prof, prof.module_tree
     with running_eagerly(model):
         tree = build_tree(model, args, kwargs)
     _require_submodules(model, tree)

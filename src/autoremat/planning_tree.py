@@ -2,11 +2,11 @@
 node of the tree, priced, with the modules that cannot be candidates marked.
 
 This is where the budget strategy's view of a model is decided: which nodes are candidates
-(a module whose calls interleave with a sibling's, a TorchScript module, one whose forward
-was replaced on the instance, and one that cannot be recomputed exactly,
-``Node.recompute_reason``, are not), which ways each can be recomputed (whole, a run of a
-Sequential's children, each selective way that differs), and what each costs: seconds
-(``objective="time"``) or FLOPs (``"flops"``).
+(each call of a module is a node; a TorchScript module, one whose forward was replaced on the
+instance, and one that cannot be recomputed exactly, ``Node.recompute_reason``, are not),
+which ways each can be recomputed (whole, a run of a Sequential's children, each selective
+way that differs), and what each costs: seconds (``objective="time"``) or FLOPs
+(``"flops"``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from autoremat.solver import Item
 from autoremat.tree import Node
 from autoremat.wrap import unwrappable_reason
 
-__all__ = ["INTERLEAVED", "planning_tree", "recompute_seconds", "way_seconds"]
-
-INTERLEAVED = "it runs several times, interleaved with a sibling's calls"
+__all__ = ["planning_tree", "recompute_seconds", "way_seconds"]
 
 
 def planning_tree(
@@ -31,22 +29,22 @@ def planning_tree(
     skipped: dict[str, str] | None = None,
     objective: str = "time",
 ) -> Item:
-    """The budget strategy's view of a profile: one :class:`Item` per node, children in the
-    order they ended. A module called several times whose calls interleave with a sibling's
-    (a dropout used after attention and after the MLP), and its descendants, are not
-    candidates: the cost model places each node at one span. Modules that cannot be wrapped
-    or recomputed exactly (``Node.recompute_reason``: Python state their forward changes, an
-    input changed in place) are not candidates either, nor are runs of a Sequential's children
-    that hold a child whose forward changes Python state or start at one whose input is changed
-    in place. With ``selective``, each candidate has other ways to be recomputed:
-    selectively, in each way of :data:`autoremat.selective.WAYS` that differs
-    (:attr:`Item.other_ways`). With ``objective="time"`` each way is priced by its measured
-    time (:class:`~autoremat.costs.NodeCost` ``op_seconds`` and the profile's per-op
-    overheads), so cheap in FLOPs is not taken for free in time; with ``"flops"``, by FLOPs
+    """The budget strategy's view of a profile: one :class:`Item` per node (per call of a
+    module: a module that ran several times has an item per call, each chosen on its own),
+    children in the order they ended. Modules that cannot be wrapped or recomputed exactly
+    (``Node.recompute_reason``: Python state their forward changes, an input changed in place;
+    a TorchScript module, one whose forward was replaced on the instance) are not candidates,
+    nor are runs of a Sequential's children that hold a child whose forward changes Python
+    state or start at one whose input is changed in place. With ``selective``, each candidate
+    has other ways to be recomputed: selectively, in each way of
+    :data:`autoremat.selective.WAYS` that differs (:attr:`Item.other_ways`). With
+    ``objective="time"`` each way is priced by its measured time
+    (:class:`~autoremat.costs.NodeCost` ``op_seconds`` and the profile's per-op overheads), so
+    cheap in FLOPs is not taken for free in time; with ``"flops"``, by FLOPs
     (:attr:`Item.cost`). The modules left out that would have freed memory are written to
-    ``skipped``, with the reason."""
+    ``skipped`` (by module path), with the reason."""
     builder = _Builder(prof, selective, objective, {} if skipped is None else skipped)
-    return builder.build(prof.tree, True, "")
+    return builder.build(prof.tree)
 
 
 def recompute_seconds(prof: Profile, item: Item) -> float:
@@ -71,18 +69,6 @@ def _buffer_bytes(module: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
 
 
-def _interleaved(prof: Profile, kids: list[Node]) -> set[str]:
-    """Children whose calls interleave with a sibling's: the one called several times (the
-    solver then only checks the points after its sibling); if neither was, both."""
-    clash: set[str] = set()
-    for k, after in enumerate(kids):
-        for before in kids[:k]:
-            if prof[after.path].start <= prof[before.path].end:
-                shared = {c.path for c in (before, after) if c.calls > 1}
-                clash.update(shared or {before.path, after.path})
-    return clash
-
-
 class _Builder:
     def __init__(self, prof: Profile, selective: bool, objective: str, skipped: dict[str, str]):
         self.prof, self.selective, self.objective = prof, selective, objective
@@ -91,27 +77,22 @@ class _Builder:
     def timed(self, cost: NodeCost, way: str) -> float | None:
         return way_seconds(self.prof, cost, way) if self.objective == "time" else None
 
-    def build(self, node: Node, allowed: bool, why: str) -> Item:
+    def build(self, node: Node) -> Item:
         cost = self.prof[node.path]
         reason = unwrappable_reason(node.module) or node.recompute_reason
-        if cost.freed > 0 and (why or (allowed and reason)):
-            self.skipped[node.path] = why or reason  # type: ignore[assignment]
+        if cost.freed > 0 and reason:
+            self.skipped.setdefault(node.module_path, reason)
         kids = sorted(node.children, key=lambda c: self.prof[c.path].end)
-        clash = _interleaved(self.prof, kids) if allowed else set()
-        children = tuple(
-            self.build(c, allowed and c.path not in clash, INTERLEAVED if c.path in clash else "")
-            for c in kids
-        )
         return Item(
             path=node.path,
             start=cost.start,
             end=cost.end,
             freed=cost.freed,
             flops=cost.flops,
-            candidate=allowed and reason is None,
-            children=children,
+            candidate=reason is None,
+            children=tuple(self.build(c) for c in kids),
             recompute_peak=cost.recompute_peak + _buffer_bytes(node.module),
-            runs=self.runs(cost, kids) if allowed else (),
+            runs=self.runs(cost, kids),
             written=cost.written,
             held=cost.held,
             held_from=cost.held_from,

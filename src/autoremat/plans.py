@@ -21,7 +21,7 @@ from torch import nn
 
 from autoremat import wrap
 from autoremat.classes import own_class
-from autoremat.entries import covered, parse_run, run_entry
+from autoremat.entries import covered, module_of, parse_call, parse_run, run_entry
 from autoremat.selective import FULL, WAYS
 from autoremat.sizes import format_size
 from autoremat.tree import Node
@@ -83,8 +83,11 @@ class Plan:
     strategy would have considered but left out to the reason (it cannot be recomputed
     exactly or at all: Python state its forward changes, an input changed in place, calls
     interleaved with a sibling's, TorchScript): for a budget plan those that would have freed
-    memory, for a levels plan those the walk met; empty when none. ``print(plan)`` shows the
-    choice, what was left out and the tree with the choice marked ``*``.
+    memory, for a levels plan those the walk met; empty when none. ``calls`` maps each module
+    named by call entries (``path@k``: only the ``k``-th call of a module that runs several
+    times in one forward, :mod:`autoremat.calls`) to the number of calls the plan was made
+    for; a step with another number warns. ``print(plan)`` shows the choice, what was left
+    out and the tree with the chosen modules marked ``*``.
     """
 
     modules: tuple[str, ...]
@@ -101,6 +104,7 @@ class Plan:
     choices: tuple[Choice, ...] = ()
     selective: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
     left_out: dict[str, str] = field(default_factory=dict, hash=False)
+    calls: dict[str, int] = field(default_factory=dict, hash=False)
     fingerprint: str | None = None
     structure: tuple[str, ...] = field(default=(), repr=False)
     tree: Node | None = field(default=None, repr=False, compare=False)
@@ -114,7 +118,7 @@ class Plan:
                 :func:`autoremat.wrap.apply`. The model is unchanged when it raises.
         """
         self.check(model)
-        return wrap.apply(model, self.modules, selective=self.selective)
+        return wrap.apply(model, self.modules, selective=self.selective, calls=self.calls)
 
     def check(self, model: nn.Module) -> None:
         """Raise ``ValueError`` unless ``model`` has the module structure the plan was made
@@ -178,6 +182,7 @@ class Plan:
             ],
             "selective": {path: list(ops) for path, ops in self.selective.items()},
             "left_out": dict(self.left_out),
+            "calls": dict(self.calls),
             "structure": list(self.structure),
         }
 
@@ -223,14 +228,15 @@ class Plan:
         """The chosen entries with what each frees and adds, and the predicted peak."""
         if self.strategy != "budget":
             return "\n".join(f"  {p or '(root)'}" for p in self.modules)
-        width = max([len(c.path or "(root)") for c in self.choices] + [6])
+        grouped = _grouped(self.choices, self.calls)
+        width = max([len(c.path or "(root)") for c in grouped] + [6])
         rows = [
             f"  {'module':{width}}  {'how':13}  {'frees':>10}  {'adds GFLOP':>10}  {'adds ms':>8}"
         ]
         rows += [
             f"  {c.path or '(root)':{width}}  {c.way:13}  {format_size(c.freed):>10}  "
             f"{c.flops / 1e9:>10.3f}  " + ("" if c.seconds is None else f"{c.seconds * 1e3:>8.1f}")
-            for c in self.choices
+            for c in grouped
         ]
         rows.append(self._figures())
         for way in dict.fromkeys(c.way for c in self.choices if c.way != FULL):
@@ -262,7 +268,7 @@ class Plan:
     def __str__(self) -> str:
         lines = [self.summary()]
         if self.tree is not None:
-            lines += ["", self.tree.render(marked=frozenset(self.modules))]
+            lines += ["", self.tree.render(marked=frozenset(map(module_of, self.modules)))]
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -282,6 +288,50 @@ class Plan:
         return "\n".join(lines)
 
 
+def _grouped(choices: Sequence[Choice], calls: dict[str, int]) -> list[Choice]:
+    """The choices as :meth:`Plan.table` shows them: consecutive calls of one module chosen
+    the same way as one row ``path@i..j`` (``(n of N calls)``), their figures summed."""
+    rows: list[Choice] = []
+    group: list[tuple[int, Choice]] = []
+
+    def flush() -> None:
+        if len(group) == 1:
+            rows.append(group[0][1])
+        elif group:
+            path = parse_call(group[0][1].path)[0]  # type: ignore[index]
+            first, last = group[0][0], group[-1][0]
+            label = f"{path}@{first}..{last} ({len(group)} of {calls.get(path, '?')} calls)"
+            seconds = [c.seconds for _, c in group]
+            rows.append(
+                Choice(
+                    label,
+                    sum(c.freed for _, c in group),
+                    sum(c.flops for _, c in group),
+                    group[0][1].way,
+                    None if None in seconds else sum(s or 0.0 for s in seconds),
+                )
+            )
+        group.clear()
+
+    for c in choices:
+        call = parse_call(c.path)
+        head = parse_call(group[0][1].path) if group else None
+        if call is None or head is None or head[0] != call[0] or group[0][1].way != c.way:
+            flush()
+        if call is None:
+            rows.append(c)
+        else:
+            group.append((call[1], c))
+    flush()
+    return rows
+
+
+def _uncalled(entry: str) -> str:
+    """A call entry's module path; any other entry as it is."""
+    call = parse_call(entry)
+    return entry if call is None else call[0]
+
+
 def _missing(entries: Sequence[str], paths: Sequence[str]) -> tuple[list[str], int]:
     """The first (sorted) few of the module paths ``entries`` cover (:func:`covered`) that are
     not among ``paths``, and how many there are in all. Runs are not expanded: the children
@@ -296,7 +346,7 @@ def _missing(entries: Sequence[str], paths: Sequence[str]) -> tuple[list[str], i
         found.sort()
     shown: list[str] = []
     count = 0
-    for entry in dict.fromkeys(entries):
+    for entry in dict.fromkeys(map(_uncalled, entries)):
         run = parse_run(entry)
         if run is None:
             if entry not in have:

@@ -45,7 +45,7 @@ from torch.utils.checkpoint import CheckpointError
 from autoremat.host_rng import HostRng, get_host_rng, set_host_rng
 from autoremat.nested import iter_tensors, version_of
 
-__all__ = ["CheckpointedCall", "is_recomputing"]
+__all__ = ["CheckpointedCall", "decided", "is_recomputing"]
 
 _state = threading.local()
 
@@ -55,6 +55,24 @@ def is_recomputing() -> bool:
     recomputed module's forward, in backward). For hooks and counters that must run once per
     step: ``if not autoremat.is_recomputing(): self.calls += 1``."""
     return getattr(_state, "depth", 0) > 0
+
+
+def decided(fresh: Any) -> Any:
+    """``fresh()``, remembered by every checkpointed call running its forward; inside a
+    recompute, what ``fresh()`` gave at the same moment of the forward instead (``fresh`` is
+    not called). For choices made while a module runs that a recompute must repeat, in the
+    same order: which calls of a module :mod:`autoremat.calls` recomputes."""
+    frames: list[CheckpointedCall] = getattr(_state, "frames", [])
+    replaying = next((f for f in reversed(frames) if f.replaying), None)
+    if replaying is None:
+        choice = fresh()
+    else:
+        choice = replaying.decisions[replaying.cursor]
+        replaying.cursor += 1
+    for f in frames:
+        if not f.replaying:
+            f.decisions.append(choice)
+    return choice
 
 
 Signature = list[tuple[str, int, tuple[int, ...], int | None]]
@@ -68,7 +86,17 @@ class CheckpointedCall:
     labelled ``label`` (its plan entry) in errors. :meth:`run` is the checkpoint's function:
     its first call is the forward, later ones recomputes."""
 
-    __slots__ = ("before", "first", "host_rng", "label", "owners", "signature")
+    __slots__ = (
+        "before",
+        "cursor",
+        "decisions",
+        "first",
+        "host_rng",
+        "label",
+        "owners",
+        "replaying",
+        "signature",
+    )
 
     def __init__(self, label: str, owners: list[nn.Module]) -> None:
         self.label = label
@@ -77,12 +105,22 @@ class CheckpointedCall:
         self.signature: Signature = []
         self.before: Buffers = {}  # pre-forward values of the buffers the forward changed
         self.host_rng: HostRng = (None, None)
+        self.decisions: list[Any] = []  # what decided() gave inside the forward, in order
+        self.cursor = 0
+        self.replaying = False
 
     def run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)``: the forward on the first call, a guarded recompute after."""
-        if self.first:
-            return self._forward(fn, args, kwargs)
-        return self._recompute(fn, args, kwargs)
+        frames = _state.__dict__.setdefault("frames", [])
+        frames.append(self)
+        try:
+            if self.first:
+                return self._forward(fn, args, kwargs)
+            self.replaying, self.cursor = True, 0
+            return self._recompute(fn, args, kwargs)
+        finally:
+            self.replaying = False
+            frames.pop()
 
     def _forward(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.first = False

@@ -56,9 +56,7 @@ class Budget:
             raise TypeError(f"budget must be {BUDGET_FORMS}; got {type(budget).__name__}")
         if isinstance(budget, int):
             if budget <= 0:
-                raise ValueError(
-                    f"budget must be positive bytes, got {budget}; use {BUDGET_FORMS}"
-                )
+                raise ValueError(f"budget must be positive bytes, got {budget}; use {BUDGET_FORMS}")
             return cls(bytes=budget, given=budget)
         if isinstance(budget, float):
             if not (0.0 < budget <= 1.0):

@@ -57,6 +57,11 @@ class Node:
     has one too. ``inplace_reason`` says why checkpointing the module would fail backward (an
     input of it is changed in place after its call began); that concerns its boundary only.
     Both are ``None`` when nothing was seen (:mod:`autoremat.side_effects`).
+
+    In a profile's tree of calls (:attr:`autoremat.costs.Profile.tree`) a node is one call of
+    a module instead: ``call`` is its index among the module's ``calls`` (``None`` when the
+    module ran once), ``path`` the call's name (``path@k``, :func:`autoremat.entries.call_key`),
+    ``inputs``/``outputs`` that call's, and its children the calls made while it ran.
     """
 
     name: str
@@ -68,6 +73,12 @@ class Node:
     calls: int = 0
     replay_reason: str | None = None
     inplace_reason: str | None = None
+    call: int | None = None
+
+    @property
+    def module_path(self) -> str:
+        """The path of the node's module (``path`` less a call's ``@k``)."""
+        return self.path if self.call is None else self.path.rpartition("@")[0]
 
     @property
     def recompute_reason(self) -> str | None:

@@ -57,6 +57,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autoremat import huggingface, selective
+from autoremat.calls import (
+    ATTR as _CALLS_ATTR,
+)
+from autoremat.calls import (
+    PLAIN,
+    ChosenCalls,
+    add_new_step_hook,
+    chosen_calls,
+    remove_new_step_hooks,
+)
 from autoremat.classes import (
     ATTR_PREFIX,
     BASE_ATTR,
@@ -65,7 +75,7 @@ from autoremat.classes import (
     is_wrapped,
     reduce_as_plain,
 )
-from autoremat.entries import first_nested, parse_run, run_entry
+from autoremat.entries import call_entry, first_nested, module_of, parse_call, parse_run, run_entry
 from autoremat.replay import CheckpointedCall
 from autoremat.selective import context_fn as selective_context
 from autoremat.snapshot import all_or_nothing
@@ -124,15 +134,20 @@ class Checkpointed(Wrapped):
 
     ``forward`` runs the module's own ``forward`` through ``torch.utils.checkpoint.checkpoint``
     when gradients are enabled, and directly otherwise (nothing would be stored for backward).
+    A module named by call entries (``path@k``) does so for the chosen calls of each forward of
+    the model only, and runs the others directly (:mod:`autoremat.calls`).
     """
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         own_forward = functools.partial(type(self)._autoremat_base.forward, self)
-        if not torch.is_grad_enabled():
-            return own_forward(*args, **kwargs)
-        path = self.__dict__.get(_PATH_ATTR, "")
+        label = self.__dict__.get(_PATH_ATTR, "")
         context_fn = self.__dict__.get(_CONTEXT_ATTR)
-        return _checkpoint(path, [self], own_forward, args, kwargs, context_fn)
+        chosen = chosen_calls(self)
+        if chosen is not None:  # some calls only: is this one of them?
+            label, context_fn = chosen.take()
+        if not torch.is_grad_enabled() or context_fn is PLAIN:
+            return own_forward(*args, **kwargs)
+        return _checkpoint(label, [self], own_forward, args, kwargs, context_fn)
 
 
 class CheckpointedRuns(Wrapped):
@@ -204,6 +219,8 @@ def _checkpoint(
 
 
 _classes: dict[tuple[type, type], type] = {}
+# one module to wrap: (path, module, its wrapped class, autoremat's instance attributes)
+Change = tuple[str, nn.Module, type, dict[str, Any]]
 
 
 def _wrapped_class(mixin: type, base: type) -> type:
@@ -245,7 +262,10 @@ def wrapped_paths(model: nn.Module) -> tuple[str, ...]:
     paths, and ``path[i:j]`` for runs of a Sequential's children."""
     found: list[str] = []
     for p, m in model.named_modules():
-        if isinstance(m, Checkpointed):
+        chosen = chosen_calls(m)
+        if isinstance(m, Checkpointed) and chosen is not None:
+            found += [call_entry(p, k) for k in sorted(chosen.chosen)]
+        elif isinstance(m, Checkpointed):
             found.append(p)
         elif isinstance(m, CheckpointedRuns):
             found += [run_entry(p, i, j) for i, j in m.__dict__[_RUNS_ATTR]]
@@ -253,12 +273,18 @@ def wrapped_paths(model: nn.Module) -> tuple[str, ...]:
 
 
 def selective_paths(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """The modules :func:`apply` wrapped selectively, with the ops whose outputs they keep."""
-    return {
-        p: m.__dict__[_CONTEXT_ATTR].args[0]
-        for p, m in model.named_modules()
-        if isinstance(m, Checkpointed) and m.__dict__.get(_CONTEXT_ATTR) is not None
-    }
+    """The entries :func:`apply` wrapped selectively (modules, calls ``path@k``), with the
+    ops whose outputs they keep."""
+    found: dict[str, tuple[str, ...]] = {}
+    for p, m in model.named_modules():
+        if not isinstance(m, Checkpointed):
+            continue
+        chosen = chosen_calls(m)
+        if chosen is not None:
+            found |= {call_entry(p, k): fn.args[0] for k, fn in sorted(chosen.chosen.items()) if fn}
+        elif m.__dict__.get(_CONTEXT_ATTR) is not None:
+            found[p] = m.__dict__[_CONTEXT_ATTR].args[0]
+    return found
 
 
 def apply(
@@ -267,6 +293,7 @@ def apply(
     *,
     selective: Sequence[str] | Mapping[str, Sequence[str]] = (),
     save_ops: Sequence[str] = selective.DEFAULT_SAVE_OPS,
+    calls: Mapping[str, int] | None = None,
 ) -> nn.Module:
     """Wrap the plan entries ``paths`` of ``model`` in place; return ``model``.
 
@@ -278,6 +305,11 @@ def apply(
     each such entry to its own ops (``{"h.0": ("aten.mm", "aten.addmm")}``, as
     :attr:`autoremat.Plan.selective` does), and then ``save_ops`` is not used. Applying the
     same entries to a model that already has them wrapped is a no-op.
+
+    A call entry ``path@k`` recomputes only the ``k``-th call of the module in each forward
+    of ``model`` (:mod:`autoremat.calls`: a pre-hook on ``model`` counts the calls afresh
+    each forward); ``calls`` maps such a module's path to the number of calls the plan was
+    made for, so that a forward with another number warns (:attr:`autoremat.Plan.calls`).
 
     All or nothing: every entry is checked and every wrapped class made before any module
     changes; when changing them fails half-way, every module gets back its class, attributes
@@ -306,29 +338,52 @@ def apply(
         )
     chosen = sorted(set(paths))
     _check_not_nested(chosen)
-    changes = _changes(chosen, modules, wanted_selective)
+    _make(model, chosen, _changes(chosen, modules, wanted_selective, calls or {}))
+    return model
+
+
+def _make(model: nn.Module, chosen: list[str], changes: list[Change]) -> None:
+    """Make the ``changes`` to ``model``, all or nothing; with call entries among ``chosen``,
+    the pre-hook that counts calls afresh each forward; with any, Hugging Face caches off in
+    training."""
     with all_or_nothing() as log:
         for path, m, cls, attributes in changes:
             log.set_class(path, m, cls)
             for name, value in attributes.items():
                 log.set_attribute(path, m, name, value)
+        if any(parse_call(e) is not None for e in chosen):
+            log.keep([("", model)])
+            add_new_step_hook(model)
         if chosen:
             log.keep(huggingface.cache_modules(model))
             huggingface.turn_cache_off_in_training(model)
-    return model
 
 
 def _changes(
-    chosen: list[str], modules: dict[str, nn.Module], wanted_selective: dict[str, tuple[str, ...]]
-) -> list[tuple[str, nn.Module, type, dict[str, Any]]]:
+    chosen: list[str],
+    modules: dict[str, nn.Module],
+    wanted_selective: dict[str, tuple[str, ...]],
+    calls: Mapping[str, int],
+) -> list[Change]:
     """What :func:`apply` will change, worked out before it changes anything: each module to
     wrap (path, module), with its wrapped class and autoremat's instance attributes. Every
     entry is checked (:func:`_runs_by_parent`) and every class made here, so a failure leaves
     the model as it was."""
     runs = _runs_by_parent(chosen, modules)
-    changes: list[tuple[str, nn.Module, type, dict[str, Any]]] = []
+    changes: list[Change] = []
+    by_module: dict[str, dict[int, Any]] = {}
     for e in chosen:
-        if parse_run(e) is None:
+        call = parse_call(e)
+        if call is not None:
+            ops = wanted_selective.get(e)
+            by_module.setdefault(call[0], {})[call[1]] = ops and selective_context(ops)
+    for path, picked in by_module.items():
+        m = modules[path]
+        own: dict[str, Any] = {_PATH_ATTR: path}
+        own[_CALLS_ATTR] = ChosenCalls(path, picked, calls.get(path))
+        changes.append((path, m, _class_for(path, Checkpointed, m), own))
+    for e in chosen:
+        if parse_run(e) is None and parse_call(e) is None:
             m = modules[e]
             attributes: dict[str, Any] = {_PATH_ATTR: e}
             if e in wanted_selective:
@@ -371,17 +426,13 @@ def _selective_entries(
     odd = [e for e in found if e not in paths or parse_run(e) is not None]
     if odd:
         raise ValueError(
-            f"selective entries must be module paths among the plan's entries: "
+            f"selective entries must be module paths or calls among the plan's entries: "
             f"{', '.join(map(repr, odd[:5]))} {'is' if len(odd) == 1 else 'are'} not"
         )
     return found
 
 
 def _check_present(model: nn.Module, paths: Sequence[str], modules: dict[str, nn.Module]) -> None:
-    def module_of(entry: str) -> str:
-        run = parse_run(entry)
-        return entry if run is None else run[0]
-
     missing = [e for e in paths if module_of(e) not in modules]
     if missing:
         raise ValueError(
@@ -410,7 +461,7 @@ def _runs_by_parent(
     for e in chosen:
         run = parse_run(e)
         if run is None:
-            _check_wrappable(e, modules[e])
+            _check_wrappable(module_of(e), modules[module_of(e)])
             continue
         parent, i, j = run
         seq = modules[parent]
@@ -467,9 +518,11 @@ def remove(model: nn.Module) -> nn.Module:
         for path, m in model.named_modules():
             if is_wrapped(m):
                 log.set_class(path, m, type(m).__dict__[BASE_ATTR])
-                for name in (_PATH_ATTR, _RUNS_ATTR, _CONTEXT_ATTR):
+                for name in (_PATH_ATTR, _RUNS_ATTR, _CONTEXT_ATTR, _CALLS_ATTR):
                     if name in m.__dict__:
                         log.set_attribute(path, m, name)
+        log.keep([("", model)])
+        remove_new_step_hooks(model)
         log.keep(huggingface.cache_modules(model))
         huggingface.remove_cache_hooks(model)
     return model

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from autoremat.costs.recording import Recording, lineage
+from autoremat.costs.recording import Recording
 from autoremat.costs.timeline import Timeline
-from autoremat.entries import inside
 from autoremat.tree import Node
 
 __all__ = [
@@ -86,7 +85,7 @@ def freed_bytes(rec: Recording) -> tuple[dict[str, int], dict[str, int]]:
     Cost: its inputs that nothing inside the subtree saved. The checkpoint keeps every input
     until the node's backward; such an input would otherwise have been freed sooner.
     """
-    parent, depth = lineage(rec.tree)
+    parent, depth = rec.family
     freed: dict[str, int] = defaultdict(int)
     charged: dict[str, int] = defaultdict(int)
     for key, (size, who) in rec.savers.items():
@@ -97,7 +96,9 @@ def freed_bytes(rec: Recording) -> tuple[dict[str, int], dict[str, int]]:
             node = parent[node]
     for n in rec.tree.walk():
         for key, size in rec.input_keys[n.path].items():
-            saved_inside = key in rec.savers and any(inside(p, n.path) for p in rec.savers[key][1])
+            saved_inside = key in rec.savers and any(
+                rec.within(p, n.path) for p in rec.savers[key][1]
+            )
             if not saved_inside:
                 freed[n.path] -= size
                 charged[n.path] += size
@@ -113,7 +114,7 @@ def released(rec: Recording, ends: dict[str, int]) -> dict[str, list[tuple[int, 
     nothing but autograd once ``r`` has ended: from point ``end[r] + 1`` on, a checkpointed
     ancestor's forward runs with those bytes gone (unless a selective recompute keeps them).
     """
-    parent, depth = lineage(rec.tree)
+    parent, depth = rec.family
     found: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     for key, (size, who) in rec.savers.items():
         r: str | None = lowest_common(who, parent, depth)
@@ -145,7 +146,7 @@ def kept_cost(rec: Recording, path: str, kept: Storages) -> int:
     for uid, (key, size) in kept.items():
         if key in rec.input_keys[path]:
             continue
-        if all(inside(p, path) for p in rec.kept_savers.get(uid, ())):
+        if all(rec.within(p, path) for p in rec.kept_savers.get(uid, ())):
             lost += size
     return lost
 
@@ -195,10 +196,12 @@ def recompute_peak(rec: Recording, line: Timeline, path: str, freed: int, kept: 
 
 
 def _chained_children(node: Node, line: Timeline) -> bool:
-    """Whether ``node`` is a plain ``nn.Sequential`` whose children ran once each, in order."""
+    """Whether ``node`` is a plain ``nn.Sequential`` that ran once, whose children ran once
+    each, in order."""
     kids = node.children
     return (
-        type(node.module).forward is nn.Sequential.forward
+        node.calls == 1
+        and type(node.module).forward is nn.Sequential.forward
         and len(kids) >= 2
         and [c.module for c in kids] == list(node.module._modules.values())
         and all(c.calls == 1 and c.path in line.events for c in kids)
@@ -221,12 +224,14 @@ def _child_index(node: Node) -> dict[str, int]:
     return {c.path: k for k, c in enumerate(node.children)}
 
 
-def _child_of(node: Node, index: dict[str, int], path: str) -> int:
-    """The index of the child of ``node`` that ``path`` is inside, -1 if none."""
-    prefix = f"{node.path}." if node.path else ""
-    if path == node.path or not path.startswith(prefix):
-        return -1
-    return index.get(prefix + path[len(prefix) :].split(".", 1)[0], -1)
+def _child_of(rec: Recording, node: Node, index: dict[str, int], path: str) -> int:
+    """The index of the child of ``node`` (in the tree of calls) whose subtree holds
+    ``path``, -1 if none."""
+    parent = rec.family[0]
+    here: str | None = path
+    while here is not None and parent.get(here, None) != node.path:
+        here = parent.get(here)
+    return -1 if here is None else index.get(here, -1)
 
 
 def _gains(rec: Recording, node: Node) -> list[list[int]]:
@@ -235,7 +240,7 @@ def _gains(rec: Recording, node: Node) -> list[list[int]]:
     kids, index = node.children, _child_index(node)
     gain = [[0] * (len(kids) + 1) for _ in kids]
     for key, (size, who) in rec.savers.items():
-        where = [_child_of(node, index, p) for p in who]
+        where = [_child_of(rec, node, index, p) for p in who]
         if min(where) < 0:
             continue
         lo, hi = min(where), max(where)
@@ -251,7 +256,11 @@ def _charges(rec: Recording, node: Node, i: int) -> list[int]:
     n = len(kids)
     charges = [0] * (n + 1)
     for key, size in rec.input_keys[kids[i].path].items():
-        users = [_child_of(node, index, p) for p in rec.savers[key][1]] if key in rec.savers else []
+        users = (
+            [_child_of(rec, node, index, p) for p in rec.savers[key][1]]
+            if key in rec.savers
+            else []
+        )
         first = min([u for u in users if u >= i], default=n)
         for j in range(i + 1, min(first + 1, n + 1)):
             charges[j] += size

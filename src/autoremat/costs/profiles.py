@@ -26,9 +26,11 @@ attributed to the innermost module of the tree that was running when it arose:
   estimated from FLOPs and bytes written.
 
 A node's figures are its own plus its children's, so they reconcile down the tree by
-construction. A shared module's costs, whichever parent called it, are counted at its node
-(its first path), like its parameters. The model must not be wrapped (profile it before
-``plan.apply``, or after ``autoremat.remove``): a checkpointed module saves nothing to see.
+construction. Nodes are calls: a module that runs several times in one forward (a shared
+layer, a loop over one block) has a node per call, ``path@k``, each with its own costs and
+place in the step, under the call that made it (whichever module that is). The model must
+not be wrapped (profile it before ``plan.apply``, or after ``autoremat.remove``): a
+checkpointed module saves nothing to see.
 """
 
 from __future__ import annotations
@@ -149,14 +151,21 @@ class NodeCost:
 
 @dataclass(frozen=True)
 class Profile:
-    """The tree of a model with a :class:`NodeCost` for every node (``profile[path]``).
+    """The calls of a model's modules in one step, with a :class:`NodeCost` for each
+    (``profile[path]``).
+
+    ``tree`` is the tree of calls: one node per call of a module, its children the calls made
+    while it ran, in order. A module that ran once is one node named by its path; one that ran
+    several times (a shared layer, a cell stepped in a loop) has a node per call, ``path@k``
+    (``calls_of(path)`` lists them), each placed, priced and chosen on its own.
+    ``module_tree`` is the module tree (:func:`autoremat.tree.build_tree`).
 
     The memory timeline of the step, for the budget planner
-    (:mod:`autoremat.costs.timeline`): nodes are numbered ``0..n-1`` by the time their (last)
-    forward call ended, their ``end``; a node's ``start`` is how many nodes had ended before
-    its first call began. Each point ``(p, bytes)`` says that ``bytes`` were live at some
-    moment when the nodes numbered below ``p`` had ended their forward and not yet begun their
-    backward: recomputing any of those would have lowered that moment by its ``freed`` bytes.
+    (:mod:`autoremat.costs.timeline`): nodes are numbered ``0..n-1`` by the time their forward
+    ended, their ``end``; a node's ``start`` is how many nodes had ended before it began.
+    Each point ``(p, bytes)`` says that ``bytes`` were live at some moment when the nodes
+    numbered below ``p`` had ended their forward and not yet begun their backward:
+    recomputing any of those would have lowered that moment by its ``freed`` bytes.
     ``forward_points`` are the moments of the forward pass (up to the loss),
     ``backward_points`` those after it, and :attr:`points` both (the most at each ``p``).
     ``peak`` is the step's peak, as :func:`autoremat.measure` defines it. ``op_overhead`` and
@@ -168,13 +177,31 @@ class Profile:
     costs: dict[str, NodeCost]
     device: str
     peak: int = 0
+    module_tree: Node | None = None
     forward_points: tuple[tuple[int, int], ...] = ()
     backward_points: tuple[tuple[int, int], ...] = ()
     op_overhead: float = 0.0
     selective_op_overhead: float = 0.0
 
     def __getitem__(self, path: str) -> NodeCost:
-        return self.costs[path]
+        """The costs of node ``path``: a module that ran once, or one call ``path@k`` of a
+        module that ran several times. ``KeyError`` naming the calls for such a module's path.
+        """
+        found = self.costs.get(path)
+        if found is not None:
+            return found
+        calls = self.calls_of(path)
+        if calls:
+            raise KeyError(
+                f"module {path or '(root)'!r} ran {len(calls)} times: its nodes are its calls "
+                f"{calls[0]!r} .. {calls[-1]!r}"
+            )
+        raise KeyError(f"no node {path!r} in the profile")
+
+    def calls_of(self, path: str) -> list[str]:
+        """The nodes of the module at ``path``: its calls in order (``[path]`` when it ran
+        once; empty when it did not run)."""
+        return [n.path for n in self.tree.walk() if n.module_path == path]
 
     @property
     def points(self) -> tuple[tuple[int, int], ...]:
@@ -235,20 +262,22 @@ def profile(
             "profile needs the unwrapped model (a checkpointed module saves nothing to "
             "measure): call autoremat.remove(model) first"
         )
-    tree = build_tree(model, args, kwargs)
+    modules = build_tree(model, args, kwargs)
     tensors = [*(t for _, t in iter_tensors((args, kwargs))), *model.parameters()]
     meta = any(t.device.type == "meta" for t in tensors)
-    rec = record_step(model, args, kwargs, tree, loss_fn, meta)
+    rec = record_step(model, args, kwargs, modules, loss_fn, meta)
+    tree = rec.tree
     line = timeline(tree, rec.events, {p: now for p, (_, now) in rec.unpacked.items()})
     times = _Times(meta=meta)
     if not meta:
         device = tensors[0].device if tensors else torch.device("cpu")
-        nodes = {id(n.module): (n.path, n.module) for n in tree.walk()}
+        nodes = {id(n.module): (n.module_path, n.module, n.calls) for n in tree.walk()}
         times.forward, times.ops = time_forward(model, args, kwargs, nodes, device)
         times.overheads = overheads(device)
     costs = _Assembly(rec, line, times).costs()
     return Profile(
         tree=tree,
+        module_tree=modules,
         costs={n.path: costs[n.path] for n in tree.walk()},
         device="meta" if meta else "real",
         peak=max(v for phase in (line.forward_points, line.backward_points) for _, v in phase),

@@ -10,6 +10,8 @@ the cost model from them. Nothing here knows of plans, solvers or wraps.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import itertools
 from collections import defaultdict
@@ -22,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from autoremat.entries import call_entry
 from autoremat.huggingface import cache_off_in_training
 from autoremat.memory import LiveMemory
 from autoremat.nested import iter_tensors, storage_key
@@ -29,7 +32,7 @@ from autoremat.progress import Progress
 from autoremat.selective import WAYS, keeps, resolve
 from autoremat.snapshot import preserved
 from autoremat.step import LossFn, leaf_inputs, train_step
-from autoremat.tree import Node
+from autoremat.tree import Node, tensor_infos
 
 __all__ = ["Event", "Kept", "OpCosts", "OwnOps", "Recording", "lineage", "record_step"]
 
@@ -60,7 +63,10 @@ class OwnOps:
 
 @dataclass
 class Recording:
-    """The facts of one recorded step (see the module docstring).
+    """The facts of one recorded step (see the module docstring), by call: ``tree`` is the
+    tree of the step's calls (each node one call of a module, :class:`~autoremat.tree.Node`
+    with ``call`` set when its module ran several times), and every path below names a node
+    of it.
 
     ``savers``: storage key -> (bytes, the innermost modules that saved it for backward);
     ``input_keys``/``output_keys``: the new storages each module took in and gave out;
@@ -81,6 +87,21 @@ class Recording:
     born: dict[int, int]
     last_save: dict[str, tuple[int, int]]
     unpacked: dict[str, tuple[int, int]]
+
+    @functools.cached_property
+    def family(self) -> tuple[dict[str, str | None], dict[str, int]]:
+        """Each node's parent and depth (:func:`lineage` of the tree), worked out once."""
+        return lineage(self.tree)
+
+    def within(self, inner: str, outer: str) -> bool:
+        """Whether node ``inner`` is ``outer`` or a node of its subtree (a path that is no node,
+        such as the loss's, counts as the root)."""
+        parent, depth = self.family
+        if inner not in depth:
+            return parent.get(outer, "") is None
+        while depth[inner] > depth.get(outer, 0):
+            inner = parent[inner]  # type: ignore[assignment]
+        return inner == outer
 
 
 class OpCosts(TorchDispatchMode):
@@ -150,12 +171,19 @@ def lineage(tree: Node) -> tuple[dict[str, str | None], dict[str, int]]:
 
 
 class _Recorder:
-    """The hooks of one recorded step, writing into one :class:`Recording`."""
+    """The hooks of one recorded step, writing into one :class:`Recording`. Every call of a
+    module is a node of its own, named ``path@k`` while recording (:func:`_name_calls` names
+    those of modules that ran once by their path when the step is done); its parent is the
+    call that was running when it began."""
 
     def __init__(self, model: nn.Module, tree: Node, inputs: list[torch.Tensor]) -> None:
-        self.stack: list[str] = [""]
+        self.root = call_entry("", 0)
+        self.stack: list[str] = [self.root]
         self.memory = LiveMemory()
-        self.parent = lineage(tree)[0]
+        self.parent: dict[str, str | None] = {self.root: None}
+        self.calls: dict[str, Node] = {}
+        self.modules = {id(n.module): n for n in tree.walk()}
+        self.count: dict[int, int] = defaultdict(int)
         self.preexisting = {
             storage_key(t) for t in [*model.parameters(), *model.buffers(), *inputs]
         }
@@ -198,17 +226,30 @@ class _Recorder:
             path = self.parent.get(path)
         return packed[1]
 
-    def enter(self, module: nn.Module, a: Any, kw: Any, path: str) -> None:
-        self.mark("start", path)
-        self.stack.append(path)
-        self.rec.input_keys[path].update(
+    def enter(self, module: nn.Module, a: Any, kw: Any) -> None:
+        node = self.modules[id(module)]
+        k = self.count[id(module)]
+        self.count[id(module)] += 1
+        name = call_entry(node.path, k)
+        caller = None if name == self.root else self.stack[-1]
+        self.parent[name] = caller
+        self.calls[name] = call = dataclasses.replace(
+            node, path=name, children=[], call=k, calls=0,
+            inputs=tuple(tensor_infos(a, "args") + tensor_infos(kw, "kwargs")), outputs=(),
+        )  # fmt: skip
+        if caller is not None:
+            self.calls[caller].children.append(call)
+        self.mark("start", name)
+        self.stack.append(name)
+        self.rec.input_keys[name].update(
             (key, t.untyped_storage().nbytes())
             for _, t in iter_tensors((a, kw))
             if (key := storage_key(t)) is not None and key not in self.preexisting
         )
 
-    def leave(self, module: nn.Module, a: Any, kw: Any, out: Any, path: str) -> None:
-        self.stack.pop()
+    def leave(self, module: nn.Module, a: Any, kw: Any, out: Any) -> None:
+        path = self.stack.pop()
+        self.calls[path].outputs = tuple(tensor_infos(out, "out"))
         self.mark("end", path)
         self.progress.step()
         keys = (storage_key(t) for _, t in iter_tensors(out))
@@ -223,7 +264,41 @@ class _Recorder:
 
     def after_forward(self) -> None:
         self.costs.counting = False
-        self.mark("loss", "")
+        self.mark("loss", self.root)
+
+    def finish(self) -> Recording:
+        """The recording, its tree the root's call, each call named as a profile names it."""
+        self.mark("done", self.root)
+        names: dict[str, str] = {}
+        for key, call in self.calls.items():
+            call.calls = self.count[id(call.module)]
+            if call.calls == 1:
+                names[key] = call.path = call.module_path
+                call.call = None
+        self.rec.tree = self.calls[self.root]
+        return _name_calls(self.rec, names)
+
+
+def _name_calls(rec: Recording, names: dict[str, str]) -> Recording:
+    """``rec`` with every node named ``old`` in ``names`` named ``names[old]`` instead."""
+
+    def rekey(d: Any) -> Any:
+        out = copy.copy(d)
+        out.clear()
+        out.update((names.get(k, k), v) for k, v in d.items())
+        return out
+
+    rec.events = [(kind, names.get(p, p), peak, now) for kind, p, peak, now in rec.events]
+    for name in ("own_saved", "own_ops", "input_keys", "output_keys", "last_save", "unpacked"):
+        setattr(rec, name, rekey(getattr(rec, name)))
+    rec.savers = {
+        k: (size, {names.get(p, p) for p in who}) for k, (size, who) in rec.savers.items()
+    }
+    for who in rec.kept_savers.values():
+        renamed = {names.get(p, p) for p in who}
+        who.clear()
+        who.update(renamed)
+    return rec
 
 
 def record_step(
@@ -235,24 +310,23 @@ def record_step(
     meta: bool,
 ) -> Recording:
     """Run one training step of ``model`` (see :func:`autoremat.step.train_step`) and record
-    it (module docstring). Hugging Face caches are off in training, as once wrapped (not on
-    ``meta``, where the cache-less path of their mask code reads tensor values). The model is
-    left as it was found."""
+    it (module docstring); ``tree`` is the module tree (:func:`autoremat.tree.build_tree`),
+    the recording's tree the step's calls. Hugging Face caches are off in training, as once
+    wrapped (not on ``meta``, where the cache-less path of their mask code reads tensor
+    values). The model is left as it was found."""
     inputs = [t for _, t in iter_tensors((args, kwargs))]
     rec = _Recorder(model, tree, inputs)
     handles = []
-    for path, m in {id(n.module): (n.path, n.module) for n in tree.walk()}.values():
-        pre = functools.partial(rec.enter, path=path)
-        post = functools.partial(rec.leave, path=path)
-        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(m.register_forward_hook(post, with_kwargs=True))
+    for m in {id(n.module): n.module for n in tree.walk()}.values():
+        handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))
+        handles.append(m.register_forward_hook(rec.leave, with_kwargs=True))
     cache_off = contextlib.nullcontext() if meta else cache_off_in_training(model)
     try:
         with preserved(model, leaf_inputs(args, kwargs)), cache_off, rec.memory, rec.costs:
             with torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
                 train_step(model, args, kwargs, loss_fn, after_forward=rec.after_forward)
-            rec.mark("done", "")
+            recording = rec.finish()
     finally:
         for h in handles + rec.grad_hooks:
             h.remove()
-    return rec.rec
+    return recording

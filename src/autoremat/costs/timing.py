@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autoremat.entries import call_key
 from autoremat.nested import run_model
 from autoremat.selective import WAYS, keeps, resolve
 from autoremat.snapshot import preserved
@@ -62,14 +63,15 @@ def time_forward(
     model: nn.Module,
     args: Any,
     kwargs: dict[str, Any] | None,
-    nodes: dict[int, tuple[str, nn.Module]],
+    nodes: dict[int, tuple[str, nn.Module, int]],
     device: torch.device,
     runs: int = 2,
 ) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
     """Inclusive forward wall time per node (all calls), and the time of each node's own ops
     (``(path, "")``) and of those each way of selective recompute keeps (``(path, way)``):
     the fastest of ``runs`` forwards, each figure on its own. ``nodes``: module id -> (path,
-    module)."""
+    module, calls); the figures of a module that ran several times are per call, under the
+    names of :func:`autoremat.entries.call_key` (a call beyond ``calls`` is not timed)."""
     best_seconds: dict[str, float] = {}
     best_ops: dict[tuple[str, str], float] = {}
     for _ in range(runs):
@@ -85,26 +87,31 @@ def _one_timed_forward(
     model: nn.Module,
     args: Any,
     kwargs: dict[str, Any] | None,
-    nodes: dict[int, tuple[str, nn.Module]],
+    nodes: dict[int, tuple[str, nn.Module, int]],
     sync: Callable[[], None],
 ) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
     starts: dict[str, list[float]] = defaultdict(list)
     seconds: dict[str, float] = defaultdict(float)
     ops: dict[tuple[str, str], float] = defaultdict(float)
     stack = [""]
+    count: dict[int, int] = defaultdict(int)
 
-    def enter(path: str) -> None:
-        stack.append(path)
-        starts[path].append(time.perf_counter())
+    def enter(module: nn.Module, *_: Any) -> None:
+        path, calls = nodes[id(module)][0], nodes[id(module)][2]
+        k = count[id(module)]
+        count[id(module)] += 1
+        name = call_key(path, k, calls) if k < calls else f"{path}@untimed"
+        stack.append(name)
+        starts[name].append(time.perf_counter())
 
-    def leave(path: str) -> None:
-        stack.pop()
-        seconds[path] += time.perf_counter() - starts[path].pop()
+    def leave(module: nn.Module, *_: Any) -> None:
+        name = stack.pop()
+        seconds[name] += time.perf_counter() - starts[name].pop()
 
     handles = []
-    for path, module in nodes.values():
-        handles.append(module.register_forward_pre_hook(lambda *_, p=path: enter(p)))
-        handles.append(module.register_forward_hook(lambda *_, p=path: leave(p)))
+    for node in nodes.values():
+        handles.append(node[1].register_forward_pre_hook(enter))
+        handles.append(node[1].register_forward_hook(leave))
     try:
         with preserved(model), torch.enable_grad(), OpTimes(stack, ops, sync):
             run_model(model, args, kwargs)

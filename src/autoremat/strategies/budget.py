@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from autoremat.costs import Profile
+from autoremat.entries import parse_call
 from autoremat.planning_tree import planning_tree, recompute_seconds
 from autoremat.plans import Choice
 from autoremat.selective import WAYS
@@ -21,7 +22,15 @@ from autoremat.sizes import Budget, format_size
 from autoremat.solver import Infeasible, Item, min_peak, predict_peak, solve
 from autoremat.strategies import Request, Strategy, log_left_out
 
-__all__ = ["HEADROOM", "NEAR_LOWEST", "OBJECTIVES", "STRATEGY", "BudgetTooLow", "lowest"]
+__all__ = [
+    "HEADROOM",
+    "NEAR_LOWEST",
+    "OBJECTIVES",
+    "STRATEGY",
+    "BudgetTooLow",
+    "entries",
+    "lowest",
+]
 
 logger = logging.getLogger("autoremat")
 
@@ -69,19 +78,54 @@ def _choose(prof: Profile, request: Request) -> dict[str, Any]:
     root = planning_tree(prof, request.selective, skipped, request.objective)
     log_left_out(skipped, request.model_name)
     chosen = [] if limit >= prof.peak else _solve(prof, root, limit, request, skipped)
-    seconds = {i.path: recompute_seconds(prof, i) for i in chosen}
+    choices = entries(prof, chosen)
     return {
-        "modules": tuple(i.path for i in chosen),
+        "modules": tuple(c.path for c in choices),
         "budget": limit,
         "estimated_peak": predict_peak(prof.backward_points, chosen, prof.forward_points),
         "baseline_peak": prof.peak,
         "recompute_flops": sum(i.flops for i in chosen),
         "objective": request.objective,
-        "recompute_seconds": sum(seconds.values()),
-        "choices": tuple(Choice(i.path, i.freed, i.flops, i.way, seconds[i.path]) for i in chosen),
-        "selective": {i.path: WAYS[i.way] for i in chosen if i.way in WAYS},
+        "recompute_seconds": sum(c.seconds or 0.0 for c in choices),
+        "choices": choices,
+        "selective": {c.path: WAYS[c.way] for c in choices if c.way in WAYS},
         "left_out": skipped,
+        "calls": {
+            path: len(prof.calls_of(path))
+            for c in choices
+            if (call := parse_call(c.path)) is not None
+            for path in [call[0]]
+        },
     }
+
+
+def entries(prof: Profile, chosen: list[Item]) -> tuple[Choice, ...]:
+    """The plan's entries for the items the solver chose, as :class:`Choice` rows in the
+    order of the step: a call ``path@k`` of a module that ran several times stays a call
+    entry, unless every call of the module was chosen the same way: then one entry ``path``
+    (every call recomputed, however many a later step makes) sums them."""
+    found = [Choice(i.path, i.freed, i.flops, i.way, recompute_seconds(prof, i)) for i in chosen]
+    by_module: dict[str, list[Choice]] = {}
+    for c in found:
+        call = parse_call(c.path)
+        if call is not None:
+            by_module.setdefault(call[0], []).append(c)
+    whole = {
+        path: calls
+        for path, calls in by_module.items()
+        if len(calls) == len(prof.calls_of(path)) and len({c.way for c in calls}) == 1
+    }
+    merged: list[Choice] = []
+    for c in found:
+        call = parse_call(c.path)
+        if call is None or call[0] not in whole:
+            merged.append(c)
+        elif c is whole[call[0]][-1]:  # the module's entry sits where its last call ended
+            calls = whole[call[0]]
+            freed, flops = sum(x.freed for x in calls), sum(x.flops for x in calls)
+            seconds = sum(x.seconds or 0.0 for x in calls)
+            merged.append(Choice(call[0], freed, flops, c.way, seconds))
+    return tuple(merged)
 
 
 def _solve(

@@ -1,0 +1,126 @@
+"""Recomputing some calls of a module: which calls, counted afresh in each forward.
+
+A plan entry ``path@k`` (:mod:`autoremat.entries`) recomputes only the ``k``-th call of the
+module at ``path`` in one forward of the model (a shared layer applied at every depth, a cell
+stepped in a loop). The wrap gives such a module a :class:`ChosenCalls`: the calls chosen, each
+with its selective ``context_fn`` or ``None`` (recomputed whole), and how many calls the
+profile saw. A :class:`NewStep` pre-hook on the model sets every count back to 0 when the model's
+forward begins, so call ``k`` is the same call in every step.
+
+Every call counts, with gradients or without; a recompute counts nothing: the calls made inside
+a recomputed module are told, in order, what they did in its forward
+(:func:`autoremat.replay.decided`), so nested checkpoints replay exactly.
+
+**A step with another number of calls** (a loop whose length follows the input): the calls the
+plan names are recomputed, the others run as usual, so training stays exact; only memory
+differs from the plan's prediction. The first step with more calls than profiled (a call index
+beyond them) or fewer (seen when the next forward begins) warns once per module, naming it, the
+counts and the fix: plan on inputs with the longest loop, or name the module without a call
+index (every call recomputed, however many).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from torch import nn
+
+from autoremat.classes import Hook, pickle_as_plain, stop_pickling_as_plain
+from autoremat.entries import call_entry
+from autoremat.replay import decided
+
+__all__ = [
+    "ATTR",
+    "PLAIN",
+    "ChosenCalls",
+    "NewStep",
+    "add_new_step_hook",
+    "chosen_calls",
+    "remove_new_step_hooks",
+]
+
+# What a call not chosen gets from ChosenCalls.take: run without recompute.
+PLAIN = "plain"
+# the instance attribute of a wrapped module that holds its ChosenCalls
+ATTR = "_autoremat_calls"
+
+
+class ChosenCalls:
+    """The chosen calls of the module at ``path``: call index -> its ``context_fn`` (``None``:
+    recomputed whole); ``profiled``: the calls the profile saw (``None``: unknown, no check)."""
+
+    def __init__(self, path: str, chosen: dict[int, Any], profiled: int | None) -> None:
+        self.path = path
+        self.chosen = chosen
+        self.profiled = profiled
+        self.count = 0
+        self.warned = False
+
+    def take(self) -> tuple[str, Any]:
+        """This call's label and ``context_fn`` (``None``: whole), or ``(label, PLAIN)``; in a
+        recompute, what the same call had in the forward."""
+        return decided(self._next)
+
+    def _next(self) -> tuple[str, Any]:
+        k = self.count
+        self.count += 1
+        if self.profiled is not None and k == self.profiled:
+            self._warn(f"more than the {self.profiled}")
+        return call_entry(self.path, k), self.chosen.get(k, PLAIN)
+
+    def new_step(self) -> None:
+        """A forward of the model begins: count from 0 (warn if the last step made fewer calls
+        than profiled)."""
+        if self.profiled is not None and 0 < self.count < self.profiled:
+            self._warn(f"{self.count} instead of the {self.profiled}")
+        self.count = 0
+
+    def _warn(self, how_many: str) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        named = ", ".join(f"@{k}" for k in sorted(self.chosen)[:8])
+        warnings.warn(
+            f"autoremat: module {self.path or '(root)'!r} ran {how_many} calls the plan was "
+            f"made for in one forward (a loop of another length?). The calls the plan names "
+            f"({named}{' ...' if len(self.chosen) > 8 else ''}) are recomputed and the others "
+            f"run as usual: training is exact, but memory differs from the plan's prediction. "
+            f"Fix: plan on inputs with the longest loop, or name {self.path!r} without a call "
+            f"index in the plan to recompute every call.",
+            stacklevel=4,
+        )
+
+
+class NewStep(Hook):
+    """The model's forward pre-hook that starts every :class:`ChosenCalls` in it afresh."""
+
+    def __call__(self, model: nn.Module, args: Any) -> None:
+        for m in model.modules():
+            chosen = m.__dict__.get(ATTR)
+            if chosen is not None:
+                chosen.new_step()
+
+
+def chosen_calls(module: nn.Module) -> ChosenCalls | None:
+    """The :class:`ChosenCalls` the wrap gave ``module``, if any."""
+    return module.__dict__.get(ATTR)
+
+
+def add_new_step_hook(model: nn.Module) -> None:
+    """Register :class:`NewStep` on ``model`` unless it has one (a deep copy carries it); the
+    model pickles without it (:func:`autoremat.classes.pickle_as_plain`)."""
+    if not any(isinstance(h, NewStep) for h in model._forward_pre_hooks.values()):
+        model.register_forward_pre_hook(NewStep())
+        pickle_as_plain(model)
+
+
+def remove_new_step_hooks(model: nn.Module) -> None:
+    """Take every :class:`NewStep` off the modules of ``model``."""
+    for m in model.modules():
+        found = [i for i, h in m._forward_pre_hooks.items() if isinstance(h, NewStep)]
+        for i in found:
+            del m._forward_pre_hooks[i]
+        others = any(isinstance(h, Hook) for h in m._forward_pre_hooks.values())
+        if found and not others:
+            stop_pickling_as_plain(m)
