@@ -11,6 +11,12 @@ Every call counts, with gradients or without; a recompute counts nothing: the ca
 a recomputed module are told, in order, what they did in its forward
 (:func:`autoremat.replay.decided`), so nested checkpoints replay exactly.
 
+Under ``torch.compile`` the choice is made once, when dynamo traces the forward: counting and
+restarting run there, outside the traced code (``torch._dynamo.assume_constant_result``), and
+the graph holds a checkpoint region for each chosen call. Dynamo refuses a change to an
+outside object inside a checkpoint region, where a call of a module inside a recomputed call
+of another would otherwise be counted; and the compiled step itself counts nothing.
+
 **A step with another number of calls** (a loop whose length follows the input): the calls the
 plan names are recomputed, the others run as usual, so training stays exact; only memory
 differs from the plan's prediction. The first step with more calls than profiled (a call index
@@ -21,9 +27,13 @@ index (every call recomputed, however many).
 
 from __future__ import annotations
 
+import copy
 import warnings
+import weakref
 from typing import Any
 
+import torch
+import torch._dynamo
 from torch import nn
 
 from autoremat.classes import Hook, pickle_as_plain, stop_pickling_as_plain
@@ -56,18 +66,27 @@ class ChosenCalls:
         self.profiled = profiled
         self.count = 0
         self.warned = False
+        _LIVE[id(self)] = self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ChosenCalls:
+        copied = ChosenCalls(self.path, copy.deepcopy(self.chosen, memo), self.profiled)
+        copied.count, copied.warned = self.count, self.warned
+        return copied
 
     def take(self) -> tuple[str, Any]:
         """This call's label and ``context_fn`` (``None``: whole), or ``(label, PLAIN)``; in a
         recompute, what the same call had in the forward."""
-        return decided(self._next)
+        compiling = torch.compiler.is_compiling()
+        k = _advance_untraced(id(self)) if compiling else decided(self.advance)
+        return call_entry(self.path, k), self.chosen.get(k, PLAIN)
 
-    def _next(self) -> tuple[str, Any]:
+    def advance(self) -> int:
+        """The index of this call; the count moves on."""
         k = self.count
         self.count += 1
         if self.profiled is not None and k == self.profiled:
             self._warn(f"more than the {self.profiled}")
-        return call_entry(self.path, k), self.chosen.get(k, PLAIN)
+        return k
 
     def new_step(self) -> None:
         """A forward of the model begins: count from 0 (warn if the last step made fewer calls
@@ -92,13 +111,33 @@ class ChosenCalls:
         )
 
 
+# every ChosenCalls alive, by id (for the untraced functions below, which take constants)
+_LIVE: weakref.WeakValueDictionary[int, ChosenCalls] = weakref.WeakValueDictionary()
+
+
+@torch._dynamo.assume_constant_result
+def _advance_untraced(key: int) -> int:
+    """:meth:`ChosenCalls.advance` of the one with id ``key``, run when dynamo traces."""
+    return _LIVE[key].advance()
+
+
+@torch._dynamo.assume_constant_result
+def _new_step_untraced(key: int) -> int:
+    """:meth:`ChosenCalls.new_step` of the one with id ``key``, run when dynamo traces."""
+    _LIVE[key].new_step()
+    return 0
+
+
 class NewStep(Hook):
     """The model's forward pre-hook that starts every :class:`ChosenCalls` in it afresh."""
 
     def __call__(self, model: nn.Module, args: Any) -> None:
+        compiling = torch.compiler.is_compiling()
         for m in model.modules():
             chosen = m.__dict__.get(ATTR)
-            if chosen is not None:
+            if chosen is not None and compiling:
+                _new_step_untraced(id(chosen))
+            elif chosen is not None:
                 chosen.new_step()
 
 

@@ -28,14 +28,18 @@ __all__ = [
     "cnn",
     "conv_bn",
     "gpt2",
+    "hf_albert",
     "hf_bert",
     "hf_gpt2",
     "hf_llama",
     "hf_vit",
     "llama_on_meta",
+    "looped",
+    "lstm_cell",
     "mlp",
     "require_transformers",
     "seeded",
+    "two_tower",
     "unet",
 ]
 
@@ -181,14 +185,14 @@ class UNet(nn.Module):
         return self.out(x)
 
 
-def seeded(build: Callable[[], Example]) -> Callable[[], Example]:
+def seeded(build: Callable[..., Example]) -> Callable[..., Example]:
     """``build`` made reproducible: it runs with the global RNG seeded at 0 (and put back
-    after), and returns the model in training mode."""
+    after), and returns the model in training mode. Arguments go to ``build`` (a size)."""
 
-    def factory() -> Example:
+    def factory(*a: Any, **kw: Any) -> Example:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model, args, kwargs = build()
+            model, args, kwargs = build(*a, **kw)
         return model.train(), args, kwargs
 
     factory.__doc__ = build.__doc__
@@ -303,6 +307,52 @@ def hf_vit() -> Example:
     return t.ViTForImageClassification(config), (), kwargs
 
 
+@seeded
+def hf_albert(layers: int = 6) -> Example:
+    """Hugging Face AlbertForMaskedLM: one shared layer applied at each of 6 depths, width
+    128, batch 4 x 48, labels given (Hugging Face's own gradient checkpointing does not
+    support it)."""
+    t = require_transformers()
+    config = t.AlbertConfig(
+        vocab_size=1000,
+        embedding_size=64,
+        hidden_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=512,
+        max_position_embeddings=64,
+    )
+    ids = torch.randint(0, 1000, (4, 48))
+    return t.AlbertForMaskedLM(config), (), {"input_ids": ids, "labels": ids}
+
+
+@seeded
+def looped() -> Example:
+    """One transformer block applied 8 times (shared weights), width 128, batch 8 x 64."""
+    from autoremat.repeated import LoopedTransformer
+
+    idx = torch.randint(0, 512, (8, 64))
+    return LoopedTransformer(), (idx,), {"targets": torch.roll(idx, -1, dims=1)}
+
+
+@seeded
+def lstm_cell() -> Example:
+    """An nn.LSTMCell stepped over 64 time steps in a Python loop, hidden 256, batch 32."""
+    from autoremat.repeated import CellRNN
+
+    return CellRNN(), (torch.randn(32, 64, 64),), {"targets": torch.randint(0, 10, (32,))}
+
+
+@seeded
+def two_tower() -> Example:
+    """Two towers sharing one 2-block encoder (width 128), in-batch contrastive loss, batch 16
+    queries x 32 tokens and 16 documents x 96 tokens."""
+    from autoremat.repeated import TwoTower
+
+    query, document = torch.randint(0, 1000, (16, 32)), torch.randint(0, 1000, (16, 96))
+    return TwoTower(), (query, document), {}
+
+
 def llama_on_meta(
     layers: int = 32,
     width: int = 4096,
@@ -339,4 +389,8 @@ EXAMPLES: dict[str, Callable[[], Example]] = {
     "hf-bert": hf_bert,
     "hf-llama": hf_llama,
     "hf-vit": hf_vit,
+    "hf-albert": hf_albert,
+    "looped": looped,
+    "lstm-cell": lstm_cell,
+    "two-tower": two_tower,
 }

@@ -316,7 +316,8 @@ def _grouped(choices: Sequence[Choice], calls: dict[str, int]) -> list[Choice]:
     for c in choices:
         call = parse_call(c.path)
         head = parse_call(group[0][1].path) if group else None
-        if call is None or head is None or head[0] != call[0] or group[0][1].way != c.way:
+        same = head is not None and call is not None and head[0] == call[0]
+        if not (same and group[0][1].way == c.way and call[1] == group[-1][0] + 1):  # type: ignore[index]
             flush()
         if call is None:
             rows.append(c)
