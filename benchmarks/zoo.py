@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from autoremat.examples import ConvNet, Example, TinyGPT, UNet, require_transformers, seeded
+from autoremat.repeated import CellRNN, LoopedTransformer, TwoTower
 
 SEQ = 256  # tokens per sequence for the language models
 VOCAB = 2048  # small vocabulary: the logits do not swamp the blocks' activations
@@ -127,6 +128,61 @@ ZOO: dict[str, Callable[[], Example]] = {
     "cnn": cnn,
     "unet": unet,
     "mlp": mlp,
+}
+
+@seeded
+def albert(layers: int = 6) -> Example:
+    """Hugging Face AlbertForMaskedLM: one shared layer applied at each of ``layers`` depths,
+    width 256, 4 heads, batch 4 x 48 tokens (Hugging Face's gradient checkpointing does not
+    support it)."""
+    t = require_transformers()
+    config = t.AlbertConfig(
+        vocab_size=VOCAB,
+        embedding_size=128,
+        hidden_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        max_position_embeddings=64,
+    )
+    ids = torch.randint(0, VOCAB, (4, 48))
+    return t.AlbertForMaskedLM(config), (), {"input_ids": ids, "labels": ids}
+
+
+@seeded
+def looped() -> Example:
+    """One pre-norm transformer block applied 8 times (shared weights), width 256, 4 heads,
+    batch 4 x 256 tokens."""
+    model = LoopedTransformer(vocab=VOCAB, width=256, depth=8, heads=4, context=SEQ)
+    idx = torch.randint(0, VOCAB, (4, SEQ))
+    return model, (idx,), {"targets": torch.roll(idx, -1, dims=1)}
+
+
+@seeded
+def lstm_cell() -> Example:
+    """An nn.LSTMCell stepped over 64 time steps in a Python loop, 128 features, hidden 512,
+    batch 64."""
+    model = CellRNN(features=128, hidden=512)
+    return model, (torch.randn(64, 64, 128),), {"targets": torch.randint(0, 10, (64,))}
+
+
+@seeded
+def two_tower() -> Example:
+    """Two towers sharing one encoder (4 blocks, width 256), in-batch contrastive loss, 16
+    queries x 64 tokens and 16 documents x 256 tokens."""
+    model = TwoTower(vocab=VOCAB, width=256, layers=4, heads=4, context=SEQ)
+    query, document = torch.randint(0, VOCAB, (16, 64)), torch.randint(0, VOCAB, (16, SEQ))
+    return model, (query, document), {}
+
+
+# Models that run one module many times (issue 14; benchmarks/calls.py), each with the path of
+# that module: what per-call checkpointing by hand wraps.
+REPEATED: dict[str, tuple[Callable[[], Example], str]] = {
+    "albert-6": (lambda: albert(6), "albert.encoder.albert_layer_groups.0"),
+    "albert-12": (lambda: albert(12), "albert.encoder.albert_layer_groups.0"),
+    "looped-8": (looped, "block"),
+    "lstm-cell-64": (lstm_cell, "cell"),
+    "two-tower": (two_tower, "encoder"),
 }
 
 # torch.compile (cold compiles take 30-70 s each here) runs on these by default.

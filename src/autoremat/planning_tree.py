@@ -117,12 +117,13 @@ class _Builder:
         )
 
     def other_ways(self, node: Node, cost: NodeCost) -> tuple[Item, ...]:
-        """The selective ways worth offering: each frees something and keeps something, and
+        """The selective ways worth offering: each frees something and keeps something, keeps
+        no output changed in place later (selective checkpointing would refuse it), and
         differs from those already offered."""
         found: list[Item] = []
         for way in cost.ways if self.selective else ():
-            if way.freed <= 0 or way.flops >= cost.flops:
-                continue  # frees nothing, or keeps nothing worth keeping
+            if way.freed <= 0 or way.flops >= cost.flops or way.kept_changed:
+                continue  # frees nothing, keeps nothing worth keeping, or would fail
             key = (way.freed, way.flops, way.held, way.held_from)
             if any((o.freed, o.flops, o.held, o.held_from) == key for o in found):
                 continue  # the same as a way already offered (no batched matmuls here)

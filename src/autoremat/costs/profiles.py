@@ -80,7 +80,11 @@ class WayCost:
     FLOPs, bytes and op seconds it runs again, the bytes it holds during the node's forward,
     and its recompute's peak (as :class:`NodeCost`'s fields of the same names; the peak also
     counts, at each moment of the recompute, the cached outputs nothing saves that the
-    recompute has not taken back yet)."""
+    recompute has not taken back yet). ``kept_changed``: an output this way keeps was changed
+    in place after it was made (an ``LSTMCell``'s ``addmm`` then ``add_``, a ``Linear``
+    followed by ``ReLU(inplace=True)`` inside the node): selective checkpointing would refuse
+    it in the recompute ("Tensor cached during selective activation checkpoint has been
+    mutated"), so the planner does not offer this way."""
 
     way: str
     save_ops: tuple[str, ...]
@@ -91,6 +95,7 @@ class WayCost:
     op_seconds: float
     held_from: tuple[tuple[int, int], ...] = ()
     recompute_peak: int = 0
+    kept_changed: bool = False
 
 
 @dataclass(frozen=True)
@@ -401,4 +406,5 @@ class _Assembly:
             held_from=cost_model.held_from(self.rec, self.line, self.released[node.path], kept),
             recompute_peak=self._peak(node.path, freed, kept),
             op_seconds=max(0.0, seconds - kept_seconds),
+            kept_changed=any(uid in self.rec.changed for uid in kept),
         )

@@ -87,6 +87,9 @@ class Recording:
     born: dict[int, int]
     last_save: dict[str, tuple[int, int]]
     unpacked: dict[str, tuple[int, int]]
+    # kept output ids that an op changed in place after they were made (selective
+    # checkpointing refuses such a cached tensor in the recompute)
+    changed: set[int] = field(default_factory=set)
 
     @functools.cached_property
     def family(self) -> tuple[dict[str, str | None], dict[str, int]]:
@@ -115,6 +118,7 @@ class OpCosts(TorchDispatchMode):
         self.own = own
         self.clock = clock
         self.born: dict[int, int] = {}  # kept output id -> the clock when it was made
+        self.changed: set[int] = set()  # kept output ids changed in place after
         self.counting = True
         self.keep = {way: resolve(ops) for way, ops in WAYS.items()}
         # storage key -> id of the kept output that has it now (a key can be reused once the
@@ -128,6 +132,8 @@ class OpCosts(TorchDispatchMode):
         if not self.counting:
             return out
         own = self.own[self.stack[-1]]
+        if func._schema.is_mutable:
+            self._changes(func, args, kwargs)
         formula = flop_registry.get(func._overloadpacket)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         seen = {storage_key(t) for _, t in iter_tensors((args, kwargs))}
@@ -143,6 +149,16 @@ class OpCosts(TorchDispatchMode):
         own.ops += 1
         self._keep(func, args, kwargs, own, flops, written, new)
         return out
+
+    def _changes(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Note the kept outputs that ``func`` writes to in place (``add_``, ``out=``)."""
+        given = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
+        for a in func._schema.arguments:
+            if a.alias_info is not None and a.alias_info.is_write:
+                for _, t in iter_tensors(given.get(a.name)):
+                    uid = self.current.get(storage_key(t))  # type: ignore[arg-type]
+                    if uid is not None:
+                        self.changed.add(uid)
 
     def _keep(self, func: Any, args: Any, kwargs: Any, own: OwnOps, flops: int, written: int,
               new: dict[int, int]) -> None:  # fmt: skip
@@ -195,6 +211,7 @@ class _Recorder:
         )  # fmt: skip
         self.costs = OpCosts(self.stack, self.rec.own_ops, clock=lambda: len(self.rec.events))
         self.rec.born = self.costs.born
+        self.rec.changed = self.costs.changed
 
     def mark(self, kind: str, path: str) -> None:
         self.rec.events.append((kind, path, self.memory.peak, self.memory.current))
