@@ -130,6 +130,7 @@ ZOO: dict[str, Callable[[], Example]] = {
     "mlp": mlp,
 }
 
+
 @seeded
 def albert(layers: int = 6) -> Example:
     """Hugging Face AlbertForMaskedLM: one shared layer applied at each of ``layers`` depths,

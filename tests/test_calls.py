@@ -448,3 +448,18 @@ def test_a_call_nests_with_its_module_its_ancestors_and_descendants(
     assert (found is not None) == related
     if found is not None:
         assert set(found) == {entry, other}
+
+
+def test_calls_profiled_on_meta_cost_what_they_cost_on_real_tensors() -> None:
+    with torch.device("meta"):
+        on_meta = LoopedTransformer(depth=4).train()
+        idx = torch.randint(0, 512, (2, 32))
+    real = LoopedTransformer(depth=4).train()
+    real_idx = torch.randint(0, 512, (2, 32))
+    a = autoremat.profile(on_meta, (idx,), {"targets": idx})
+    b = autoremat.profile(real, (real_idx,), {"targets": real_idx})
+    assert a.peak == b.peak and list(a.costs) == list(b.costs)
+    assert a.calls_of("block") == [f"block@{k}" for k in range(4)]
+    for path in a.costs:
+        fields = ("freed", "saved", "flops", "recompute_peak", "start", "end")
+        assert [getattr(a[path], f) for f in fields] == [getattr(b[path], f) for f in fields]

@@ -74,8 +74,8 @@ class Plan:
     ``modules`` are plan entries: qualified names as in ``model.named_modules()`` (``""`` is
     the model itself), calls ``path@k`` or runs ``path[i:j]``, never one inside another;
     those also in ``selective`` are recomputed selectively: ``selective`` maps each to the
-    ops whose outputs it keeps (:mod:`autoremat.selective`). A budget plan also predicts the step peak with and
-    without it (bytes, as :func:`autoremat.measure` defines ``peak``), and the FLOPs and
+    ops whose outputs it keeps (:mod:`autoremat.selective`). A budget plan also predicts the
+    step peak with and without it (bytes, as :func:`autoremat.measure` defines ``peak``), and the FLOPs and
     seconds its recomputes add (seconds as profiled: the recomputed ops' time plus
     checkpoint's per-op overheads); its ``objective`` is what it minimised (``"time"`` or
     ``"flops"``). ``compiled_peak``: the allocator's peak measured under ``torch.compile``
