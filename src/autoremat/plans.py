@@ -71,23 +71,22 @@ class Choice:
 class Plan:
     """Which modules of a model to recompute in backward, and how they were chosen.
 
-    ``modules`` are plan entries: qualified names as in ``model.named_modules()`` (``""`` is
-    the model itself), calls ``path@k`` or runs ``path[i:j]``, never one inside another;
-    those also in ``selective`` are recomputed selectively: ``selective`` maps each to the
-    ops whose outputs it keeps (:mod:`autoremat.selective`). A budget plan also predicts the
-    step peak with and without it (bytes, as :func:`autoremat.measure` defines ``peak``), and the FLOPs and
-    seconds its recomputes add (seconds as profiled: the recomputed ops' time plus
+    ``modules`` are plan entries: qualified names as in ``model.named_modules()`` (``""`` is the
+    model itself), calls ``path@k`` or runs ``path[i:j]``, never one inside another; those also
+    in ``selective`` are recomputed selectively: ``selective`` maps each to the ops whose
+    outputs it keeps (:mod:`autoremat.selective`). A budget plan also predicts the step peak
+    with and without it (bytes, as :func:`autoremat.measure` defines ``peak``), and the FLOPs
+    and seconds its recomputes add (seconds as profiled: the recomputed ops' time plus
     checkpoint's per-op overheads); its ``objective`` is what it minimised (``"time"`` or
     ``"flops"``). ``compiled_peak``: the allocator's peak measured under ``torch.compile``
     (:func:`autoremat.plan_for_compile`), else ``None``. ``left_out`` maps each module the
-    strategy would have considered but left out to the reason (it cannot be recomputed
-    exactly or at all: Python state its forward changes, an input changed in place,
-    TorchScript): for a budget plan those that would have freed
-    memory, for a levels plan those the walk met; empty when none. ``calls`` maps each module
-    named by call entries (``path@k``: only the ``k``-th call of a module that runs several
-    times in one forward, :mod:`autoremat.calls`) to the number of calls the plan was made
-    for; a step with another number warns. ``print(plan)`` shows the choice, what was left
-    out and the tree with the chosen modules marked ``*``.
+    strategy would have considered but left out to the reason (it cannot be recomputed exactly
+    or at all: Python state its forward changes, an input changed in place, TorchScript): for a
+    budget plan those that would have freed memory, for a levels plan those the walk met; empty
+    when none. ``calls`` maps each module named by call entries (``path@k``: only the ``k``-th
+    call of a module that runs several times in one forward, :mod:`autoremat.calls`) to the
+    number of calls the plan was made for; a step with another number warns. ``print(plan)``
+    shows the choice, what was left out and the tree with the chosen modules marked ``*``.
     """
 
     modules: tuple[str, ...]
