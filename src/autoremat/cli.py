@@ -1,7 +1,7 @@
 """The autoremat command: look at a model's module tree, plan which modules to recompute,
 and try a plan out on an example.
 
-Subcommands: tree, plan, demo, bench and examples; "autoremat --help" describes them (its
+Subcommands: tree, plan, demo, bench, fit and examples; "autoremat --help" describes them (its
 text is DESCRIPTION and EPILOG below). Every error is one line, "autoremat: error: ...",
 with exit status 2.
 """
@@ -24,8 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoremat.batch_inputs import batch_size_of, scale_batch
+from autoremat.device_fit import OBJECTIVES as FIT_OBJECTIVES
+from autoremat.device_fit import fit
 from autoremat.examples import EXAMPLES, Example
 from autoremat.measurement import Measurement, measure
+from autoremat.optimizer_memory import OPTIMIZERS
 from autoremat.planner import plan
 from autoremat.plans import Plan
 from autoremat.sizes import format_size, parse_budget
@@ -66,6 +70,9 @@ subcommands:
   demo [TARGET]     plan with both strategies, apply them, measure peak, FLOPs and step
                     time, and check that a training step is unchanged (TARGET: gpt2)
   bench TARGET      compare recompute strategies side by side (a markdown table)
+  fit TARGET        the largest batch whose training step (parameters, gradients,
+                    optimizer state, activations) fits --device-memory M (24GiB, 90%),
+                    and the cheapest plan for it, checked once on the device
   examples          list the built-in example models
 
 TARGET is one of:
@@ -439,8 +446,54 @@ def _parser() -> argparse.ArgumentParser:
     p_bench.add_argument(
         "--compile", action="store_true", help="also torch.compile at memory budgets (slow)"
     )
+    _add_fit(sub.add_parser("fit", help="the largest batch that fits a device, and its plan"))
     sub.add_parser("examples", help="list the built-in example models")
     return parser
+
+
+def _add_fit(p_fit: argparse.ArgumentParser) -> None:
+    p_fit.add_argument("target", metavar="TARGET", help=TARGET_HELP)
+    p_fit.add_argument(
+        "--device-memory",
+        metavar="M",
+        default="100%",
+        help="memory the whole training step may use: a size (24GiB), whole bytes, or a "
+        "percentage of the device's memory (default 100%%)",
+    )
+    p_fit.add_argument(
+        "--device", default=None, help="move the model there first (e.g. cuda; default: as built)"
+    )
+    p_fit.add_argument("--optimizer", choices=(*OPTIMIZERS, "none"), default="adamw")
+    p_fit.add_argument(
+        "--objective",
+        choices=FIT_OBJECTIVES,
+        default="batch",
+        help="the largest batch (default), or the most predicted samples per second",
+    )
+    p_fit.add_argument("--max-batch", type=int, default=2**16, metavar="N")
+    p_fit.add_argument(
+        "--no-verify", action="store_true", help="do not run the batch found on the device"
+    )
+
+
+def _fit_command(ns: argparse.Namespace) -> int:
+    """``autoremat fit``: the batch of TARGET's inputs scaled along their first dimension."""
+    model, args, kwargs = load_target(ns.target)
+    if ns.device is not None:
+        model.to(ns.device)
+    found = fit(
+        model,
+        lambda b: scale_batch(args, kwargs, b),
+        device_memory=parse_budget_arg(ns.device_memory),
+        optimizer=None if ns.optimizer == "none" else ns.optimizer,
+        objective=ns.objective,
+        max_batch=ns.max_batch,
+        verify=not ns.no_verify,
+    )
+    print(f"{ns.target} (example batch {batch_size_of(args, kwargs)}, optimizer {ns.optimizer})")
+    print(found)
+    print(found.plan.summary())
+    return 1 if found.fits is False else 0
 
 
 def _add_plan(p_plan: argparse.ArgumentParser) -> None:
@@ -506,6 +559,8 @@ def _run(ns: argparse.Namespace) -> int:
         return demo(ns.target, ns.segments, ns.budget, ns.rounds)
     if ns.command == "plan":
         return _plan_command(ns)
+    if ns.command == "fit":
+        return _fit_command(ns)
     model, args, kwargs = load_target(ns.target)
     if ns.command == "tree":
         print(build_tree(model, args, kwargs))

@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from autoremat.compiled import running_eagerly
-from autoremat.costs import profile
+from autoremat.costs import Profile, profile
 from autoremat.plans import Plan, fingerprint, structure
 from autoremat.step import LossFn
 from autoremat.strategies import STRATEGIES, Request, Strategy
@@ -18,7 +18,7 @@ from autoremat.strategies import budget as budget_strategy
 from autoremat.strategies.levels import DEFAULT_SEGMENTS
 from autoremat.tree import Node, build_tree
 
-__all__ = ["lowest_budget", "plan"]
+__all__ = ["lowest_budget", "plan", "plan_from_profile", "profile_lowest"]
 
 
 def plan(
@@ -117,6 +117,38 @@ def _require_submodules(model: nn.Module, tree: Node) -> None:
             f"{type(model).__name__} has no submodules that ran on the example inputs: there "
             f"is nothing to recompute; wrap it in a model with submodules, or check the inputs"
         )
+
+
+def plan_from_profile(
+    model: nn.Module,
+    prof: Profile,
+    budget: int | float | str,
+    *,
+    selective: bool = True,
+    objective: str = "time",
+) -> Plan:
+    """The budget plan :func:`plan` would make for ``model`` from ``prof``, a profile of it
+    (or of a copy of it of the same structure, such as one on ``meta``): nothing runs.
+
+    Raises:
+        BudgetTooLow, ValueError: as :func:`plan`.
+    """
+    request = Request(type(model).__name__, None, budget, None, selective, objective)
+    request = budget_strategy.STRATEGY.check(request)
+    return Plan(
+        strategy="budget",
+        model_class=type(model).__name__,
+        fingerprint=fingerprint(model),
+        structure=structure(model),
+        tree=prof.module_tree,
+        **budget_strategy.STRATEGY.choose(prof, request),
+    )
+
+
+def profile_lowest(prof: Profile, *, selective: bool = True, objective: str = "time") -> int:
+    """:func:`lowest_budget` from ``prof``, a profile already made: nothing runs."""
+    request = Request("model", None, 1, None, selective, objective)
+    return budget_strategy.lowest(prof, budget_strategy.STRATEGY.check(request))
 
 
 def lowest_budget(
