@@ -203,11 +203,25 @@ class _Prober:
         room = self.dm.for_tensors() - probe.lowest.resident
         chosen = None
         if room < probe.profile.peak:
-            chosen = plan_from_profile(self.model, probe.profile, room, selective=self.selective)
+            quiet = _NotNearLowest()  # the largest batch is near its lowest budget by design
+            logger.addFilter(quiet)
+            try:
+                chosen = plan_from_profile(
+                    self.model, probe.profile, room, selective=self.selective
+                )
+            finally:
+                logger.removeFilter(quiet)
         peak = probe.profile.peak if chosen is None else chosen.estimated_peak or 0
         memory = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm)
         seconds = step_seconds(probe.profile, chosen)
         return Candidate(batch, memory, probe.without, chosen, seconds)
+
+
+class _NotNearLowest(logging.Filter):
+    """Drops the planner's warning that a budget is near the lowest reachable peak."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "of the lowest peak" not in record.getMessage()
 
 
 def _on_meta(value: Any) -> Any:
