@@ -140,13 +140,14 @@ def one(name: str, device: str, method: str, steps: int) -> dict[str, Any]:
     total = int(device.removesuffix("MiB")) * 2**20
     start = 16 * int(args[0].shape[0] if args else next(iter(kwargs.values())).shape[0])
     begin = time.perf_counter()
-    plan, fits = None, True
+    plan, fits, predicted = None, True, None
     if method.startswith("autoremat"):
         objective = "throughput" if "throughput" in method else "batch"
         found = fit(
             model, lambda b: scale_batch(args, kwargs, b), device_memory=total, objective=objective
         )
         batch, plan, fits = found.batch, found.plan, bool(found.fits)
+        predicted = found.chosen.memory.tensors if found.chosen is not None else None
     else:
         shrink = accelerate_loop if method.startswith("accelerate") else halving_loop
         batch = trial(model, args, kwargs, total, start, shrink)
@@ -166,6 +167,7 @@ def one(name: str, device: str, method: str, steps: int) -> dict[str, Any]:
         "seconds_to_find": round(took, 2),
         "samples_per_s": round(speed, 1),
         "memory_mib": round(memory / 2**20, 2),
+        "predicted_mib": None if predicted is None else round(predicted / 2**20, 2),
         "within": fits and memory <= total,
         "entries": 0 if plan is None else len(plan.modules),
     }
@@ -181,12 +183,12 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
         "error past it). `batch`: the batch each method found; `find s`: seconds it took "
         "(every step or profile it ran); `samples/s`: training throughput at that batch (AdamW, "
         "the plan applied, median of timed steps); `x`: over the best trial-and-error row; "
-        "`memory`: the most tensors held in a training step at that batch; `entries`: the "
-        "plan's.",
+        "`memory`: the most tensors held in a training step at that batch (`predicted`: what "
+        "fit predicted for it); `entries`: the plan's.",
         "",
-        "| model | device | method | batch | find s | samples/s | x | memory MiB | within | "
-        "entries |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "| model | device | method | batch | find s | samples/s | x | memory MiB | predicted | "
+        "within | entries |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         trials = [
@@ -199,7 +201,9 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
         lines.append(
             f"| {r['model']} | {r['device']} | {r['method']} | {r['batch']} | "
             f"{r['seconds_to_find']:.1f} | {r['samples_per_s']:.1f} | {ratio:.2f} | "
-            f"{r['memory_mib']:.1f} | {'yes' if r['within'] else 'NO'} | {r['entries']} |"
+            f"{r['memory_mib']:.1f} | "
+            f"{'' if r['predicted_mib'] is None else format(r['predicted_mib'], '.1f')} | "
+            f"{'yes' if r['within'] else 'NO'} | {r['entries']} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -171,3 +171,19 @@ def test_the_fit_command_prints_the_batch_the_plan_and_the_memory(capsys: Any) -
     assert "batch" in out and "fits 48.00 MiB on cpu" in out
     assert "predicted memory" in out and "measured: tensors at most" in out and "(fits)" in out
     assert "Plan for Sequential" in out
+
+
+def test_a_plan_for_a_device_fits_the_whole_step_at_a_fixed_batch() -> None:
+    model, args, kwargs = EXAMPLES["gpt2"]()
+    whole = autoremat.measure_training(model, args, kwargs, optimizer="sgd").tensors
+    device = int(whole * 0.6)
+    chosen = autoremat.plan_for_device(
+        model, args, kwargs, device_memory=device, optimizer="sgd", objective="flops"
+    )
+    assert chosen.modules and chosen.budget is not None
+    wrapped = chosen.apply(copy.deepcopy(model))
+    assert autoremat.measure_training(wrapped, args, kwargs, optimizer="sgd").tensors <= device
+    roomy = autoremat.plan_for_device(model, args, kwargs, device_memory=2 * whole, optimizer="sgd")
+    assert roomy.modules == ()
+    with pytest.raises(autoremat.BudgetTooLow, match=r"does not fit .* it needs"):
+        autoremat.plan_for_device(model, args, kwargs, device_memory=whole // 10, optimizer="sgd")

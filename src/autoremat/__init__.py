@@ -21,7 +21,7 @@ and ``replay`` (what a recompute sees), ``measurement`` (``measure()``), ``compi
 from autoremat.batch_inputs import scale_batch
 from autoremat.compile_plan import plan_for_compile
 from autoremat.costs import NodeCost, Profile, WayCost, profile
-from autoremat.device_fit import Fit, fit
+from autoremat.device_fit import Fit, fit, plan_for_device
 from autoremat.distributed import broadcast_plan
 from autoremat.measurement import Measurement, measure
 from autoremat.memory import LiveMemory
@@ -60,6 +60,7 @@ __all__ = [
     "measure_training",
     "plan",
     "plan_for_compile",
+    "plan_for_device",
     "predict_training",
     "profile",
     "remove",

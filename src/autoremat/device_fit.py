@@ -21,6 +21,7 @@ get there with the least slowdown?" without running the model at each candidate 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -39,11 +40,20 @@ from autoremat.plans import Plan
 from autoremat.progress import Progress
 from autoremat.sizes import format_size
 from autoremat.step import LossFn
+from autoremat.strategies.budget import BudgetTooLow
 from autoremat.training_memory import TrainingMeasurement, measure_training
 from autoremat.whole_step import StepMemory, step_memory
 from autoremat.wrap import remove
 
-__all__ = ["OBJECTIVES", "Candidate", "Fit", "fit", "meta_shadow", "step_seconds"]
+__all__ = [
+    "OBJECTIVES",
+    "Candidate",
+    "Fit",
+    "fit",
+    "meta_shadow",
+    "plan_for_device",
+    "step_seconds",
+]
 
 logger = logging.getLogger("autoremat")
 
@@ -306,3 +316,44 @@ def _verify(model: nn.Module, make_inputs: Inputs, batch: int, plan: Plan,
         return measure_training(model, args, kwargs, optimizer=optimizer, loss_fn=loss_fn)
     finally:
         remove(model)
+
+
+def plan_for_device(
+    model: nn.Module,
+    args: tuple[Any, ...] | Any = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    device_memory: int | float | str,
+    optimizer: OptimizerLike = "adamw",
+    loss_fn: LossFn | None = None,
+    selective: bool = True,
+    objective: str = "time",
+) -> Plan:
+    """The cheapest plan whose whole training step (:mod:`autoremat.whole_step`) fits
+    ``device_memory`` at these inputs: a budget plan whose budget is what the device leaves
+    for the step once parameters, buffers, inputs and ``optimizer``'s state are in it (and, on
+    CUDA, the runtime and the allocator's share, :mod:`autoremat.device_memory`). An empty plan
+    when no recompute is needed. Profiles one step (on ``meta`` too).
+
+    Raises:
+        BudgetTooLow: (a ValueError) the step does not fit even with the most recompute; the
+            message gives the device memory it needs then, and ``lowest`` is that step's
+            lowest peak (activations).
+    """
+    prof = profile(model, args, kwargs, loss_fn=loss_fn)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    dm = device_model(device_memory, device)
+    memory = step_memory(model, (args, kwargs), prof.peak, optimizer_memory(model, optimizer), dm)
+    room = dm.for_tensors() - memory.resident
+    lowest = profile_lowest(prof, selective=selective, objective=objective)
+    if room < max(lowest, memory.gradients + memory.optimizer_step):
+        need = dataclasses.replace(memory, step_peak=lowest)
+        raise BudgetTooLow(
+            f"{type(model).__name__}'s training step does not fit {dm}: with the most "
+            f"recompute it needs {format_size(need.device)}:\n{need}\nUse a smaller batch, "
+            f"mixed precision, an optimizer with less state, or a device with more memory",
+            lowest,
+            prof.peak,
+        )
+    budget: int | float = 1.0 if room >= prof.peak else room
+    return plan_from_profile(model, prof, budget, selective=selective, objective=objective)
