@@ -271,16 +271,73 @@ def test_more_calls_than_profiled_warn_once_and_train_exactly() -> None:
     assert "plan on inputs with the longest loop" in messages[0]
 
 
-def test_fewer_calls_than_profiled_warn_at_the_next_forward() -> None:
+def test_fewer_calls_than_profiled_warn_when_the_step_ends() -> None:
     model, _, _ = _example("lstm-cell")
     wrapped = apply(copy.deepcopy(model), ["cell@0", "cell@40", "cell@63"], calls={"cell": 64})
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         loss = _lstm_step(wrapped, 48)
-        assert not seen
+        assert len(seen) == 1 and "ran 48 instead of the 64 calls" in str(seen[0].message)
         torch.testing.assert_close(loss, _lstm_step(copy.deepcopy(model), 48))
-        _lstm_step(wrapped, 48)
-    assert len(seen) == 1 and "ran 48 instead of the 64 calls" in str(seen[0].message)
+        _lstm_step(wrapped, 48)  # the same count again: no second warning
+        _lstm_step(wrapped, 30)  # another one: warned too
+    assert len(seen) == 2 and "ran 30 instead of the 64" in str(seen[1].message)
+
+
+def test_evaluation_without_gradients_warns_nothing_and_hides_nothing() -> None:
+    """A longer evaluation loop under no_grad costs no memory worth a warning; the training
+    step with the same length still warns."""
+    model, _, _ = _example("lstm-cell")
+    wrapped = apply(copy.deepcopy(model), ["cell@3"], calls={"cell": 64})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            wrapped(torch.randn(4, 80, 64))
+        assert not seen
+        _lstm_step(wrapped, 80)
+    assert len(seen) == 1 and "ran more than the 64 calls" in str(seen[0].message)
+
+
+def test_a_longer_loop_after_a_shorter_one_is_reported_too() -> None:
+    model, _, _ = _example("lstm-cell")
+    wrapped = apply(copy.deepcopy(model), ["cell@1", "cell@4"], calls={"cell": 5})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for steps in (2, 10):
+            _lstm_step(wrapped, steps)
+    messages = [str(w.message) for w in seen]
+    assert len(messages) == 2, messages
+    assert "ran 2 instead of the 5" in messages[0] and "ran more than the 5" in messages[1]
+
+
+class LossMethod(nn.Module):
+    """Trained through ``compute_loss``, not ``forward``: the model's pre-hook never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = LoopedTransformer(width=32, depth=4, context=16)
+
+    def compute_loss(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(idx, idx)["loss"]
+
+
+def test_calls_restart_when_backward_ends_a_step_whatever_the_entry_point() -> None:
+    torch.manual_seed(0)
+    model = LossMethod()
+    idx = torch.randint(0, 512, (4, 16))
+    wrapped = apply(
+        copy.deepcopy(model), ["inner.block@1", "inner.block@2"], calls={"inner.block": 4}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            for m in (model, wrapped):
+                m.zero_grad(set_to_none=True)
+                torch.manual_seed(1)
+                m.compute_loss(idx).backward()
+            for p, q in zip(model.parameters(), wrapped.parameters(), strict=True):
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7)
+    assert wrapped.inner.block.__dict__["_autoremat_calls"].count == 0
 
 
 def test_a_module_named_without_a_call_index_recomputes_any_number_of_calls() -> None:
@@ -305,7 +362,7 @@ def test_calls_restart_at_every_forward_of_the_model() -> None:
     assert chosen.count == 8
     base = autoremat.measure(model, args, kwargs).peak
     assert autoremat.measure(wrapped, args, kwargs).peak < base  # call 7 still recomputed
-    assert chosen.count == 8 and not chosen.warned
+    assert chosen.count == 0 and not chosen.warned  # backward ended the step
 
 
 # --- saving, copying, removing --------------------------------------------------------------
@@ -463,3 +520,11 @@ def test_calls_profiled_on_meta_cost_what_they_cost_on_real_tensors() -> None:
     for path in a.costs:
         fields = ("freed", "saved", "flops", "recompute_peak", "start", "end")
         assert [getattr(a[path], f) for f in fields] == [getattr(b[path], f) for f in fields]
+
+
+def test_a_call_entry_without_its_modules_call_count_is_refused() -> None:
+    model, args, kwargs = _example("looped")
+    data = autoremat.plan(model, args, kwargs, segments=1).to_dict()
+    data.update(modules=["lm_head@3"], calls={}, choices=[], selective={})
+    with pytest.raises(ValueError, match=r"names a call of 'lm_head', but field 'calls' does not"):
+        autoremat.Plan.from_dict(data)

@@ -187,3 +187,10 @@ def test_a_plan_for_a_device_fits_the_whole_step_at_a_fixed_batch() -> None:
     assert roomy.modules == ()
     with pytest.raises(autoremat.BudgetTooLow, match=r"does not fit .* it needs"):
         autoremat.plan_for_device(model, args, kwargs, device_memory=whole // 10, optimizer="sgd")
+
+
+def test_scale_batch_along_another_dimension() -> None:
+    x = torch.randn(50, 3, 8)  # time x batch x features
+    (scaled,), _ = autoremat.scale_batch((x,), {}, 7, dim=1)
+    assert scaled.shape == (50, 7, 8) and torch.equal(scaled[:, 3], x[:, 0])
+    assert batch_size_of((x,), {}, dim=1) == 3

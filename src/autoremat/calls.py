@@ -17,12 +17,17 @@ the graph holds a checkpoint region for each chosen call. Dynamo refuses a chang
 outside object inside a checkpoint region, where a call of a module inside a recomputed call
 of another would otherwise be counted; and the compiled step itself counts nothing.
 
+A step ends, and the counts restart, when the model's forward begins (the pre-hook) or when
+backward reaches the first call of the step (a model trained through another method than
+``forward``, a submodule called directly).
+
 **A step with another number of calls** (a loop whose length follows the input): the calls the
 plan names are recomputed, the others run as usual, so training stays exact; only memory
-differs from the plan's prediction. The first step with more calls than profiled (a call index
-beyond them) or fewer (seen when the next forward begins) warns once per module, naming it, the
-counts and the fix: plan on inputs with the longest loop, or name the module without a call
-index (every call recomputed, however many).
+differs from the plan's prediction. A training step (one with gradients) with more calls than
+profiled warns when the call past them runs; one with fewer, or that did not reach a call the
+plan names, when the step ends. Each such count warns once per module, naming it, the counts
+and the fix: plan on inputs with the longest loop, or name the module without a call index
+(every call recomputed, however many). Forwards without gradients (evaluation) warn nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from typing import Any
 import torch
 import torch._dynamo
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
 
 from autoremat.classes import Hook, pickle_as_plain, stop_pickling_as_plain
 from autoremat.entries import call_entry
@@ -58,19 +65,21 @@ ATTR = "_autoremat_calls"
 
 class ChosenCalls:
     """The chosen calls of the module at ``path``: call index -> its ``context_fn`` (``None``:
-    recomputed whole); ``profiled``: the calls the profile saw (``None``: unknown, no check)."""
+    recomputed whole); ``profiled``: the calls the profile saw (``None``: unknown)."""
 
     def __init__(self, path: str, chosen: dict[int, Any], profiled: int | None) -> None:
         self.path = path
         self.chosen = chosen
         self.profiled = profiled
         self.count = 0
-        self.warned = False
+        self.training = False  # a call of this step ran with gradients enabled
+        self.warned: set[Any] = set()  # the counts warned about ("more": more than profiled)
         _LIVE[id(self)] = self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ChosenCalls:
         copied = ChosenCalls(self.path, copy.deepcopy(self.chosen, memo), self.profiled)
-        copied.count, copied.warned = self.count, self.warned
+        copied.count, copied.training = self.count, self.training
+        copied.warned = set(self.warned)
         return copied
 
     def take(self) -> tuple[str, Any]:
@@ -81,33 +90,52 @@ class ChosenCalls:
         return call_entry(self.path, k), self.chosen.get(k, PLAIN)
 
     def advance(self) -> int:
-        """The index of this call; the count moves on."""
+        """The index of this call; the count moves on. The first call of a step with gradients
+        also arranges for the count to restart when backward reaches it (the step is over,
+        however the model was called: :class:`NewStep` only sees ``model(...)``)."""
         k = self.count
         self.count += 1
-        if self.profiled is not None and k == self.profiled:
-            self._warn(f"more than the {self.profiled}")
+        self.training = self.training or torch.is_grad_enabled()
+        if self.training and self.profiled is not None and k == self.profiled:
+            self._warn("more", f"more than the {self.profiled}")
         return k
 
-    def new_step(self) -> None:
-        """A forward of the model begins: count from 0 (warn if the last step made fewer calls
-        than profiled)."""
-        if self.profiled is not None and 0 < self.count < self.profiled:
-            self._warn(f"{self.count} instead of the {self.profiled}")
-        self.count = 0
+    def started(self, k: int, out: Any) -> None:
+        """Call ``k`` returned ``out``: for call 0 with gradients, restart the count when
+        backward reaches it (after the later calls' backward, before the next step)."""
+        needs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if k == 0 and needs and not torch.compiler.is_compiling():
+            register_multi_grad_hook(needs, self._backward_reached, mode="any")
 
-    def _warn(self, how_many: str) -> None:
-        if self.warned:
+    def _backward_reached(self, grads: Any) -> None:
+        self.new_step()
+
+    def new_step(self) -> None:
+        """A step is over (its backward reached call 0, or the model's forward begins): count
+        from 0. Warns when a training step made fewer calls than profiled, or did not reach a
+        call the plan names."""
+        count, training = self.count, self.training
+        self.count, self.training = 0, False
+        if not training or count == 0:
             return
-        self.warned = True
+        if self.profiled is not None and count < self.profiled:
+            self._warn(count, f"{count} instead of the {self.profiled}")
+        elif max(self.chosen, default=-1) >= count:
+            self._warn(count, f"{count}, fewer than the plan's call @{max(self.chosen)} needs of")
+
+    def _warn(self, key: Any, how_many: str) -> None:
+        if key in self.warned:
+            return
+        self.warned.add(key)
         named = ", ".join(f"@{k}" for k in sorted(self.chosen)[:8])
         warnings.warn(
             f"autoremat: module {self.path or '(root)'!r} ran {how_many} calls the plan was "
-            f"made for in one forward (a loop of another length?). The calls the plan names "
-            f"({named}{' ...' if len(self.chosen) > 8 else ''}) are recomputed and the others "
-            f"run as usual: training is exact, but memory differs from the plan's prediction. "
-            f"Fix: plan on inputs with the longest loop, or name {self.path!r} without a call "
-            f"index in the plan to recompute every call.",
-            stacklevel=4,
+            f"made for in one training step (a loop of another length?). The calls the plan "
+            f"names ({named}{' ...' if len(self.chosen) > 8 else ''}) are recomputed and the "
+            f"others run as usual: training is exact, but memory differs from the plan's "
+            f"prediction. Fix: plan on inputs with the longest loop, or name {self.path!r} "
+            f"without a call index in the plan to recompute every call.",
+            stacklevel=5,
         )
 
 

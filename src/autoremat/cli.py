@@ -472,6 +472,13 @@ def _add_fit(p_fit: argparse.ArgumentParser) -> None:
     )
     p_fit.add_argument("--max-batch", type=int, default=2**16, metavar="N")
     p_fit.add_argument(
+        "--batch-dim",
+        type=int,
+        default=0,
+        metavar="D",
+        help="the inputs' batch dimension (default 0; 1 for sequence-first inputs)",
+    )
+    p_fit.add_argument(
         "--no-verify", action="store_true", help="do not run the batch found on the device"
     )
 
@@ -483,14 +490,16 @@ def _fit_command(ns: argparse.Namespace) -> int:
         model.to(ns.device)
     found = fit(
         model,
-        lambda b: scale_batch(args, kwargs, b),
+        lambda b: scale_batch(args, kwargs, b, ns.batch_dim),
         device_memory=parse_budget_arg(ns.device_memory),
         optimizer=None if ns.optimizer == "none" else ns.optimizer,
         objective=ns.objective,
         max_batch=ns.max_batch,
         verify=not ns.no_verify,
     )
-    print(f"{ns.target} (example batch {batch_size_of(args, kwargs)}, optimizer {ns.optimizer})")
+    example = batch_size_of(args, kwargs, ns.batch_dim)
+    print(f"{ns.target} (example batch {example} along dimension {ns.batch_dim}, ", end="")
+    print(f"optimizer {ns.optimizer})")
     print(found)
     print(found.plan.summary())
     return 1 if found.fits is False else 0

@@ -19,7 +19,7 @@ What is checked, so that a file from elsewhere can do no more than fail to load:
   expanded), and none inside another (:func:`autoremat.entries.first_nested`);
 * ``calls`` (the calls a module named by call entries made when the plan was made): modules
   of that structure, each a count in ``[1, 2**63)`` above the index of every call entry of the
-  module; a file without it (saved before it existed) loads with none;
+  module, and one for every module a call entry names;
 * each field's type and range (counts are integers in ``[0, 2**63)``, seconds finite numbers
   >= 0); every choice among ``modules``, a selective one with its ops in ``selective``;
 * ``left_out`` (the modules the strategy left out, with their reasons): modules of that
@@ -407,7 +407,12 @@ def _calls(fields: _Fields, lines: tuple[str, ...], modules: tuple[str, ...]) ->
             )
     for entry in modules:
         call = parse_call(entry)
-        if call is not None and call[0] in raw and call[1] >= raw[call[0]]:
+        if call is not None and call[0] not in raw:
+            raise fields.bad(
+                f"module entry {_shown(entry)} names a call of {_shown(call[0])}, but field "
+                f"'calls' does not say how many calls it made (add \"{call[0]}\": N)"
+            )
+        if call is not None and call[1] >= raw[call[0]]:
             raise fields.bad(
                 f"module entry {_shown(entry)} names call {call[1]}, but field 'calls' says "
                 f"{_shown(call[0])} ran {raw[call[0]]} times"

@@ -227,6 +227,8 @@ class Plan:
         """The chosen entries with what each frees and adds, and the predicted peak."""
         if self.strategy != "budget":
             return "\n".join(f"  {p or '(root)'}" for p in self.modules)
+        if not self.modules:
+            return self._figures()
         grouped = _grouped(self.choices, self.calls)
         width = max([len(c.path or "(root)") for c in grouped] + [6])
         rows = [
@@ -277,7 +279,11 @@ class Plan:
             "budget": f"budget {format_size(self.budget)}" if self.budget else "budget",
         }.get(self.strategy, self.strategy)
         count = len(self.modules)
-        head = f"Plan for {self.model_class} ({how}): recompute {count} module{'s' * (count != 1)}"
+        plain = all(module_of(e) == e for e in self.modules)
+        noun = ("module", "modules") if plain else ("entry", "entries")
+        head = f"Plan for {self.model_class} ({how}): recompute {count} {noun[count != 1]}"
+        if not self.modules and self.strategy == "budget":
+            head += " (no recompute needed)"
         lines = [head, self.table()] if self.modules or self.strategy == "budget" else [head]
         if self.left_out:
             count = len(self.left_out)

@@ -143,11 +143,17 @@ class Checkpointed(Wrapped):
         label = self.__dict__.get(_PATH_ATTR, "")
         context_fn = self.__dict__.get(_CONTEXT_ATTR)
         chosen = chosen_calls(self)
-        if chosen is not None:  # some calls only: is this one of them?
-            label, context_fn = chosen.take()
+        if chosen is None:
+            if not torch.is_grad_enabled():
+                return own_forward(*args, **kwargs)
+            return _checkpoint(label, [self], own_forward, args, kwargs, context_fn)
+        label, context_fn = chosen.take()  # some calls only: is this one of them?
         if not torch.is_grad_enabled() or context_fn is PLAIN:
-            return own_forward(*args, **kwargs)
-        return _checkpoint(label, [self], own_forward, args, kwargs, context_fn)
+            out = own_forward(*args, **kwargs)
+        else:
+            out = _checkpoint(label, [self], own_forward, args, kwargs, context_fn)
+        chosen.started(int(label.rpartition("@")[2]), out)
+        return out
 
 
 class CheckpointedRuns(Wrapped):
@@ -333,7 +339,7 @@ def apply(
         if set(already) == set(paths) and selective_paths(model) == wanted_selective:
             return model
         raise ValueError(
-            f"{type(model).__name__} already has {len(already)} wrapped modules from another "
+            f"{type(model).__name__} already has {len(already)} wrapped entries from another "
             f"plan; call autoremat.remove(model) before applying a new one"
         )
     chosen = sorted(set(paths))
