@@ -4,9 +4,9 @@ checkpointing, each at its own largest batch (issue 15's GPU check; under 8 minu
     python benchmarks/gpu_fit.py --out benchmarks/results          # on a CUDA machine
     python benchmarks/gpu_fit.py --quick --device cpu --out /tmp/x  # smoke test: tiny sizes
 
-A Hugging Face Llama-style model in bf16 (parameters, AdamW state and activations: the dtype
-is the model's, not autocast: autocast acts on real devices only, so a ``meta`` profile would
-see float32 activations) trains under a cap on the caching allocator
+A Hugging Face Llama-style model (float32 parameters and AdamW state, the step under bf16
+autocast: sized on ``meta`` with autocast's casts made there, :mod:`autoremat.autocast_meta`)
+trains under a cap on the caching allocator
 (``torch.cuda.set_per_process_memory_fraction``). Three ways, each at the largest batch it can
 train under the cap:
 
@@ -40,7 +40,7 @@ from autoremat.device_memory import CUDA_CONTEXT
 from autoremat.wrap import apply
 
 SIZES = {  # layers, width, heads, ffn, sequence, vocab
-    "full": (16, 2048, 16, 5632, 2048, 32000),
+    "full": (12, 2048, 16, 5632, 2048, 32000),
     "quick": (2, 64, 4, 128, 32, 256),
 }
 
@@ -60,7 +60,7 @@ def build(quick: bool, device: str) -> Any:
         max_position_embeddings=seq,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).train()
+    model = transformers.LlamaForCausalLM(config).to(device=device).train()
 
     def make_inputs(batch: int) -> tuple[tuple[()], dict[str, torch.Tensor]]:
         ids = torch.randint(0, vocab, (batch, seq))
@@ -83,7 +83,9 @@ def steps_at(model: Any, make_inputs: Any, batch: int, steps: int, device: str) 
     try:
         for _ in range(steps + 1):
             begin = time.perf_counter()
-            model(**kwargs).loss.backward()
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = model(**kwargs).loss
+            loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if cuda:
@@ -124,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         device_memory = cap + CUDA_CONTEXT  # the cap bounds the allocator; fit adds the context
     else:
         cap = device_memory = 64 * 2**20
-    found = fit(model, make_inputs, device_memory=device_memory, optimizer="adamw")
+    found = fit(
+        model, make_inputs, device_memory=device_memory, optimizer="adamw", autocast=torch.bfloat16
+    )
     rows = []
     found.plan.apply(model)
     rows.append(

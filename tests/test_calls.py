@@ -528,3 +528,23 @@ def test_a_call_entry_without_its_modules_call_count_is_refused() -> None:
     data.update(modules=["lm_head@3"], calls={}, choices=[], selective={})
     with pytest.raises(ValueError, match=r"names a call of 'lm_head', but field 'calls' does not"):
         autoremat.Plan.from_dict(data)
+
+
+@pytest.mark.parametrize("entries", [["block"], ["block@0", "block@3"], ["block.mlp@2"]])
+def test_selective_calls_under_autocast_train_exactly(entries: list[str]) -> None:
+    """Under autocast a weight is cast once per forward (autocast caches the cast) but again
+    in each recompute: selective checkpointing must not mistake those casts for a mismatch."""
+    model, args, kwargs = _example("looped")
+    wrapped = apply(copy.deepcopy(model), entries, selective=entries)
+    steps = []
+    for m in (model, wrapped):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(*args, **kwargs)["loss"]
+        loss.backward()
+        steps.append((loss.detach(), [p.grad for p in m.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = steps
+    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=0)
+    for g, h in zip(grads_b, grads_a, strict=True):
+        torch.testing.assert_close(g, h, rtol=0, atol=0)

@@ -194,3 +194,31 @@ def test_scale_batch_along_another_dimension() -> None:
     (scaled,), _ = autoremat.scale_batch((x,), {}, 7, dim=1)
     assert scaled.shape == (50, 7, 8) and torch.equal(scaled[:, 3], x[:, 0])
     assert batch_size_of((x,), {}, dim=1) == 3
+
+
+@pytest.mark.parametrize("name", ["gpt2", "two-tower"])
+def test_autocast_is_sized_on_meta_as_it_runs(name: str) -> None:
+    """Autocast does not act on meta tensors; MetaAutocast makes its casts there: the profile
+    on meta under autocast equals the real one, node by node (CPU lists, checked against real
+    CPU autocast), and a fit under autocast is verified by real autocast steps."""
+    model, args, kwargs = EXAMPLES[name]()
+    spec = ("cpu", torch.bfloat16)
+    real = autoremat.profile(model, args, kwargs, autocast=spec)
+    shadow = autoremat.device_fit.meta_shadow(model)
+    on_meta = [tuple(a.to("meta") for a in args), {k: v.to("meta") for k, v in kwargs.items()}]
+    meta = autoremat.profile(shadow, *on_meta, autocast=spec)
+    float32 = autoremat.profile(shadow, *on_meta)
+    assert meta.peak == real.peak < 0.8 * float32.peak
+    assert [(p, c.saved, c.freed) for p, c in meta.costs.items()] == [
+        (p, c.saved, c.freed) for p, c in real.costs.items()
+    ]
+    found = autoremat.fit(
+        model,
+        lambda b: autoremat.scale_batch(args, kwargs, b),
+        device_memory="64MiB",
+        autocast=torch.bfloat16,
+        optimizer="sgd",
+    )
+    assert found.fits and found.measured is not None and found.chosen is not None
+    predicted = found.chosen.memory.tensors
+    assert abs(predicted - found.measured.tensors) <= 0.01 * found.measured.tensors

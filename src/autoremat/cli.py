@@ -472,6 +472,12 @@ def _add_fit(p_fit: argparse.ArgumentParser) -> None:
     )
     p_fit.add_argument("--max-batch", type=int, default=2**16, metavar="N")
     p_fit.add_argument(
+        "--autocast",
+        choices=("bf16", "fp16"),
+        default=None,
+        help="train under torch.autocast with this dtype (sized on meta with its casts)",
+    )
+    p_fit.add_argument(
         "--batch-dim",
         type=int,
         default=0,
@@ -496,6 +502,7 @@ def _fit_command(ns: argparse.Namespace) -> int:
         objective=ns.objective,
         max_batch=ns.max_batch,
         verify=not ns.no_verify,
+        autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(ns.autocast or ""),
     )
     example = batch_size_of(args, kwargs, ns.batch_dim)
     print(f"{ns.target} (example batch {example} along dimension {ns.batch_dim}, ", end="")

@@ -39,7 +39,7 @@ from autoremat.planner import plan_from_profile, profile_lowest
 from autoremat.plans import Plan
 from autoremat.progress import Progress
 from autoremat.sizes import format_size
-from autoremat.step import LossFn
+from autoremat.step import Autocast, LossFn
 from autoremat.strategies.budget import BudgetTooLow
 from autoremat.training_memory import TrainingMeasurement, measure_training
 from autoremat.whole_step import StepMemory, step_memory
@@ -165,10 +165,11 @@ class _Prober:
     """Profiles the model's ``meta`` shadow at batch sizes, each once."""
 
     def __init__(self, model: nn.Module, make_inputs: Inputs, opt: OptimizerMemory,
-                 dm: DeviceModel, loss_fn: LossFn | None, selective: bool) -> None:  # fmt: skip
+                 dm: DeviceModel, loss_fn: LossFn | None, selective: bool,
+                 autocast: Autocast | None = None) -> None:  # fmt: skip
         self.model, self.shadow = model, meta_shadow(model)
         self.make_inputs, self.opt, self.dm = make_inputs, opt, dm
-        self.loss_fn, self.selective = loss_fn, selective
+        self.loss_fn, self.selective, self.autocast = loss_fn, selective, autocast
         self.seen: dict[int, _Probe] = {}
         self.progress = Progress("fitting", 40, "batch sizes profiled on meta")
 
@@ -177,7 +178,7 @@ class _Prober:
             with torch.device("meta"):
                 args, kwargs = self.make_inputs(batch)
             args, kwargs = tree_map(_on_meta, (args, kwargs))
-            prof = profile(self.shadow, args, kwargs, loss_fn=self.loss_fn)
+            prof = profile(self.shadow, args, kwargs, loss_fn=self.loss_fn, autocast=self.autocast)
             low = profile_lowest(prof, selective=self.selective)
             parts = (self.shadow, (args, kwargs))
             self.seen[batch] = _Probe(
@@ -234,6 +235,12 @@ class _NotNearLowest(logging.Filter):
         return "of the lowest peak" not in record.getMessage()
 
 
+def _autocast_device(device: torch.device) -> str:
+    """The device type whose autocast a model on ``device`` trains under (``cuda`` for a model
+    on ``meta``: the GPU it is planned for)."""
+    return "cuda" if device.type == "meta" else device.type
+
+
 def _on_meta(value: Any) -> Any:
     return value.to("meta") if isinstance(value, torch.Tensor) else value
 
@@ -245,6 +252,7 @@ def fit(
     device_memory: int | float | str,
     optimizer: OptimizerLike = "adamw",
     loss_fn: LossFn | None = None,
+    autocast: torch.dtype | None = None,
     objective: str = "batch",
     max_batch: int = 2**16,
     selective: bool = True,
@@ -259,6 +267,9 @@ def fit(
     bytes, a size (``"24GiB"``) or a fraction (``"90%"``) of the model's device
     (:mod:`autoremat.device_memory`). ``optimizer``: a name (``"sgd"``, ``"adam"``,
     ``"adamw"``), an optimizer to copy, a function from parameters to one, or ``None``.
+    ``autocast`` (``torch.bfloat16``, ``torch.float16``): the step's forward and loss run under
+    ``torch.autocast`` of the model's device with that dtype; sized on ``meta`` with autocast's
+    casts made there (:mod:`autoremat.autocast_meta`).
     ``objective``: ``"batch"`` (the largest batch) or ``"throughput"`` (of the largest batch
     and a few smaller ones, the most predicted samples per second). With ``verify``, the plan
     is applied, real steps run at that batch on the model's device, and the model is put back
@@ -272,7 +283,9 @@ def fit(
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dm = device_model(device_memory, device)
-    prober = _Prober(model, make_inputs, optimizer_memory(model, optimizer), dm, loss_fn, selective)
+    spec = None if autocast is None else (_autocast_device(device), autocast)
+    opt = optimizer_memory(model, optimizer)
+    prober = _Prober(model, make_inputs, opt, dm, loss_fn, selective, spec)
     top = prober.largest(max_batch)
     if top == 0:
         need = prober.probe(1).lowest
@@ -287,7 +300,9 @@ def fit(
     chosen = best if objective == "throughput" else candidates[-1]
     plan = chosen.plan or plan_from_profile(model, prober.probe(chosen.batch).profile, 1.0)
     measured = (
-        _verify(model, make_inputs, chosen.batch, plan, optimizer, loss_fn) if verify else None
+        _verify(model, make_inputs, chosen.batch, plan, optimizer, (loss_fn, spec))
+        if verify
+        else None
     )
     found = Fit(chosen.batch, plan, dm, tuple(candidates), without, measured, objective, chosen)
     if found.fits is False:
@@ -305,7 +320,7 @@ def _ladder(without: int, top: int, objective: str) -> list[int]:
 
 
 def _verify(model: nn.Module, make_inputs: Inputs, batch: int, plan: Plan,
-            optimizer: OptimizerLike, loss_fn: LossFn | None) -> TrainingMeasurement:  # fmt: skip
+            optimizer: OptimizerLike, how: Any) -> TrainingMeasurement:  # fmt: skip
     """Real training steps at ``batch`` with ``plan`` applied; the model is put back."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     args, kwargs = tree_map(
@@ -313,7 +328,10 @@ def _verify(model: nn.Module, make_inputs: Inputs, batch: int, plan: Plan,
     )
     plan.apply(model)
     try:
-        return measure_training(model, args, kwargs, optimizer=optimizer, loss_fn=loss_fn)
+        loss_fn, autocast = how
+        return measure_training(
+            model, args, kwargs, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast
+        )
     finally:
         remove(model)
 
@@ -328,6 +346,7 @@ def plan_for_device(
     loss_fn: LossFn | None = None,
     selective: bool = True,
     objective: str = "time",
+    autocast: torch.dtype | None = None,
 ) -> Plan:
     """The cheapest plan whose whole training step (:mod:`autoremat.whole_step`) fits
     ``device_memory`` at these inputs: a budget plan whose budget is what the device leaves
@@ -340,8 +359,9 @@ def plan_for_device(
             message gives the device memory it needs then, and ``lowest`` is that step's
             lowest peak (activations).
     """
-    prof = profile(model, args, kwargs, loss_fn=loss_fn)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    spec = None if autocast is None else (_autocast_device(device), autocast)
+    prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec)
     dm = device_model(device_memory, device)
     memory = step_memory(model, (args, kwargs), prof.peak, optimizer_memory(model, optimizer), dm)
     room = dm.for_tensors() - memory.resident

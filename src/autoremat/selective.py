@@ -238,6 +238,7 @@ def _contexts(names: tuple[str, ...]) -> tuple[Any, Any]:
     if mode not in _emptying_classes:
         _emptying_classes[mode] = _emptying(mode)
     recompute.__class__ = _emptying_classes[mode]
+    recompute.keep_packets = resolve(names)
     return forward, recompute
 
 
@@ -246,7 +247,10 @@ _emptying_classes: dict[type, type] = {}
 
 def _emptying(mode: Any) -> type:
     """``mode`` (selective checkpointing's recompute mode) whose cache is emptied on exit, and
-    which recomputes every op once it has served a recompute.
+    which recomputes every op once it has served a recompute. An op it keeps not is run when
+    torch's storage has no entry for it: under autocast a module called several times casts a
+    weight only in its first call's forward (autocast caches the cast) but in every recompute,
+    and torch would raise "invocation index ... not found in storage".
 
     A second recompute of the same forward (a second backward: ``retain_graph=True`` twice,
     or a gradient penalty, ``create_graph=True``, whose second backward recomputes again)
@@ -258,11 +262,20 @@ def _emptying(mode: Any) -> type:
 
     class Emptying(mode):
         served = False
+        keep_packets: frozenset[Any] = frozenset()
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
             if self.served:
                 return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            except RuntimeError as exc:
+                # An op the forward did not run as often (autocast's cast cache: a weight cast
+                # once per forward, again in each recompute) is recomputed anyway unless kept.
+                kept = keeps(func, args, kwargs or {}, self.keep_packets)
+                if kept or "not found in storage" not in str(exc):
+                    raise
+                return func(*args, **(kwargs or {}))
 
         def __exit__(self, *exc: Any) -> Any:
             try:

@@ -7,17 +7,29 @@ records and the comparison harness times: every ``.grad`` set to ``None`` first 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from autoremat.autocast_meta import MetaAutocast
 from autoremat.nested import iter_tensors, run_model
 
-__all__ = ["LossFn", "check_loss", "default_loss", "leaf_inputs", "train_step"]
+__all__ = [
+    "Autocast",
+    "LossFn",
+    "autocast_for",
+    "check_loss",
+    "default_loss",
+    "leaf_inputs",
+    "train_step",
+]
 
 LossFn = Callable[[Any], torch.Tensor]
+# (device type, dtype) of torch.autocast: ("cuda", torch.bfloat16)
+Autocast = tuple[str, torch.dtype]
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -74,6 +86,18 @@ def check_loss(loss: Any) -> torch.Tensor:
     return loss
 
 
+def autocast_for(model: nn.Module, autocast: Autocast | None) -> Any:
+    """The context that runs a forward of ``model`` under ``autocast`` (``(device_type,
+    dtype)``): ``torch.autocast``, or on ``meta`` :class:`~autoremat.autocast_meta.MetaAutocast`
+    (autocast acts on real devices only); none without ``autocast``."""
+    if autocast is None:
+        return contextlib.nullcontext()
+    device_type, dtype = autocast
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return MetaAutocast(device_type, dtype)
+    return torch.autocast(device_type, dtype=dtype)
+
+
 def leaf_inputs(args: Any, kwargs: Any) -> list[torch.Tensor]:
     """Input tensors that backward would give a ``.grad``: leaves that require grad."""
     found = {id(t): t for _, t in iter_tensors((args, kwargs)) if t.requires_grad and t.is_leaf}
@@ -87,11 +111,14 @@ def train_step(
     loss_fn: LossFn | None = None,
     *,
     after_forward: Callable[[], Any] | None = None,
+    autocast: Autocast | None = None,
 ) -> torch.Tensor:
     """One training step from ``.grad = None`` (parameters, and input tensors that are leaves
     requiring grad): forward, ``loss_fn`` (:func:`default_loss` when None), backward, with
     gradients enabled whatever the caller's mode. ``after_forward`` runs between the loss and
-    backward. Returns the loss, detached.
+    backward. With ``autocast`` (``(device_type, dtype)``), forward and loss run under
+    ``torch.autocast(device_type, dtype)`` (backward outside, as PyTorch recommends), or, on
+    ``meta``, :class:`~autoremat.autocast_meta.MetaAutocast`. Returns the loss, detached.
 
     Raises:
         ValueError: the loss is not a scalar tensor that requires grad (:func:`check_loss`).
@@ -99,8 +126,9 @@ def train_step(
     for t in [*model.parameters(), *leaf_inputs(args, kwargs)]:
         t.grad = None
     with torch.enable_grad():
-        output = run_model(model, args, kwargs)
-        loss = check_loss((loss_fn or default_loss)(output))
+        with autocast_for(model, autocast):
+            output = run_model(model, args, kwargs)
+            loss = check_loss((loss_fn or default_loss)(output))
         if after_forward is not None:
             after_forward()
         loss.backward()

@@ -25,7 +25,7 @@ from torch import nn
 from autoremat.memory import LiveMemory
 from autoremat.optimizer_memory import OptimizerLike, optimizer_factory
 from autoremat.sizes import format_size
-from autoremat.step import LossFn, default_loss, train_step
+from autoremat.step import Autocast, LossFn, default_loss, train_step
 from autoremat.whole_step import tensor_bytes
 
 __all__ = ["TrainingMeasurement", "measure_training"]
@@ -58,11 +58,13 @@ def measure_training(
     optimizer: OptimizerLike = "adamw",
     loss_fn: LossFn | None = None,
     steps: int = 2,
+    autocast: Autocast | None = None,
 ) -> TrainingMeasurement:
     """Measure the memory of training ``model`` on these inputs with ``optimizer`` (a name of
     :data:`autoremat.optimizer_memory.OPTIMIZERS`, an optimizer to copy, a function from
     parameters to one, or ``None``): see the module docstring. ``steps`` >= 1 steps run; the
-    last is measured.
+    last is measured. ``autocast`` (``(device_type, dtype)``): forward and loss under
+    ``torch.autocast``.
 
     Raises:
         ValueError: ``steps`` below 1, an unknown optimizer name; see :func:`autoremat.measure`
@@ -76,25 +78,25 @@ def measure_training(
     saved = _Saved(model)
     try:
         with torch.random.fork_rng(devices=_cuda_devices(model)):
-            return _run(model, args, kwargs or {}, make, loss_fn, steps)
+            return _run(model, args, kwargs or {}, make, (loss_fn, autocast), steps)
     finally:
         saved.restore()
 
 
 def _run(
-    model: nn.Module, args: Any, kwargs: Any, make: Any, loss_fn: LossFn, steps: int
+    model: nn.Module, args: Any, kwargs: Any, make: Any, how: Any, steps: int
 ) -> TrainingMeasurement:
     opt = None if make is None else make([p for p in model.parameters() if p.requires_grad])
     cuda = any(p.is_cuda for p in model.parameters())
     for _ in range(steps - 1):
-        _step(model, args, kwargs, opt, loss_fn)
+        _step(model, args, kwargs, opt, how)
     state = [] if opt is None else [v for s in opt.state.values() for v in s.values()]
     before = tensor_bytes([*model.parameters(), *model.buffers(), state, args, kwargs])
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     with LiveMemory() as live:
-        _step(model, args, kwargs, opt, loss_fn)
+        _step(model, args, kwargs, opt, how)
     if not cuda:
         return TrainingMeasurement(tensors=before + live.peak)
     torch.cuda.synchronize()
@@ -102,8 +104,9 @@ def _run(
     return TrainingMeasurement(before + live.peak, torch.cuda.max_memory_reserved(), total - free)
 
 
-def _step(model: nn.Module, args: Any, kwargs: Any, opt: Any, loss_fn: LossFn) -> None:
-    train_step(model, args, kwargs, loss_fn)  # grads set to None first, as zero_grad does
+def _step(model: nn.Module, args: Any, kwargs: Any, opt: Any, how: Any) -> None:
+    loss_fn, autocast = how  # grads set to None first, as zero_grad does:
+    train_step(model, args, kwargs, loss_fn, autocast=autocast)
     if opt is not None:
         opt.step()
 

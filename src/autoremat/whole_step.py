@@ -29,7 +29,7 @@ from autoremat.device_memory import DeviceModel, device_model
 from autoremat.nested import iter_tensors
 from autoremat.optimizer_memory import OptimizerLike, OptimizerMemory, optimizer_memory
 from autoremat.sizes import format_size
-from autoremat.step import LossFn
+from autoremat.step import Autocast, LossFn
 
 if TYPE_CHECKING:
     from autoremat.plans import Plan
@@ -126,18 +126,21 @@ def predict_training(
     plan: Plan | None = None,
     loss_fn: LossFn | None = None,
     device_memory: int | float | str | None = None,
+    autocast: Autocast | None = None,
 ) -> StepMemory:
     """The whole training step's memory of ``model`` on these inputs with ``optimizer`` (a
     name of :data:`autoremat.optimizer_memory.OPTIMIZERS`, an optimizer to copy, a function
     from parameters to one, or ``None``): with ``plan``, its predicted step peak; without, one
     step profiled (on ``meta`` too: a model and inputs on ``meta`` give what real ones
-    would). With ``device_memory`` (as :func:`autoremat.fit` takes it), ``device`` counts what
-    the device's runtime and allocator add. Nothing is changed.
+    would; with ``autocast``, ``(device_type, dtype)``, forward and loss run under autocast,
+    emulated on ``meta``: :mod:`autoremat.autocast_meta`). With ``device_memory`` (as
+    :func:`autoremat.fit` takes it), ``device`` counts what the device's runtime and allocator
+    add. Nothing is changed.
     """
     if plan is not None and plan.estimated_peak is not None:
         peak = plan.estimated_peak
     else:
-        peak = profile(model, args, kwargs, loss_fn=loss_fn).peak
+        peak = profile(model, args, kwargs, loss_fn=loss_fn, autocast=autocast).peak
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dm = None if device_memory is None else device_model(device_memory, device)
     return step_memory(model, (args, kwargs), peak, optimizer_memory(model, optimizer), dm)

@@ -51,7 +51,7 @@ from autoremat.costs.timing import DEFAULT_OVERHEADS, overheads, time_forward
 from autoremat.nested import iter_tensors
 from autoremat.selective import WAYS
 from autoremat.sizes import format_size
-from autoremat.step import LossFn
+from autoremat.step import Autocast, LossFn
 from autoremat.tree import Node, build_tree
 
 __all__ = [
@@ -247,8 +247,13 @@ def profile(
     kwargs: dict[str, Any] | None = None,
     *,
     loss_fn: LossFn | None = None,
+    autocast: Autocast | None = None,
 ) -> Profile:
     """Per-node costs of ``model`` on the example inputs (see the module docstring).
+
+    With ``autocast`` (``(device_type, dtype)``, e.g. ``("cuda", torch.bfloat16)``) the step's
+    forward and loss run under ``torch.autocast``, and on ``meta`` under
+    :class:`~autoremat.autocast_meta.MetaAutocast`, which makes autocast's casts there.
 
     Runs one training step (forward, ``loss_fn`` on the output, backward; ``loss_fn`` defaults
     to :func:`autoremat.step.default_loss`, and its forward costs go to the root) from
@@ -270,14 +275,16 @@ def profile(
     modules = build_tree(model, args, kwargs)
     tensors = [*(t for _, t in iter_tensors((args, kwargs))), *model.parameters()]
     meta = any(t.device.type == "meta" for t in tensors)
-    rec = record_step(model, args, kwargs, modules, loss_fn, meta)
+    rec = record_step(model, args, kwargs, modules, loss_fn, meta, autocast)
     tree = rec.tree
     line = timeline(tree, rec.events, {p: now for p, (_, now) in rec.unpacked.items()})
     times = _Times(meta=meta)
     if not meta:
         device = tensors[0].device if tensors else torch.device("cpu")
         nodes = {id(n.module): (n.module_path, n.module, n.calls) for n in tree.walk()}
-        times.forward, times.ops = time_forward(model, args, kwargs, nodes, device)
+        times.forward, times.ops = time_forward(
+            model, args, kwargs, nodes, device, autocast=autocast
+        )
         times.overheads = overheads(device)
     costs = _Assembly(rec, line, times).costs()
     return Profile(

@@ -31,7 +31,7 @@ from autoremat.nested import iter_tensors, storage_key
 from autoremat.progress import Progress
 from autoremat.selective import WAYS, keeps, resolve
 from autoremat.snapshot import preserved
-from autoremat.step import LossFn, leaf_inputs, train_step
+from autoremat.step import Autocast, LossFn, leaf_inputs, train_step
 from autoremat.tree import Node, tensor_infos
 
 __all__ = ["Event", "Kept", "OpCosts", "OwnOps", "Recording", "lineage", "record_step"]
@@ -325,6 +325,7 @@ def record_step(
     tree: Node,
     loss_fn: LossFn | None,
     meta: bool,
+    autocast: Autocast | None = None,
 ) -> Recording:
     """Run one training step of ``model`` (see :func:`autoremat.step.train_step`) and record
     it (module docstring); ``tree`` is the module tree (:func:`autoremat.tree.build_tree`),
@@ -341,7 +342,9 @@ def record_step(
     try:
         with preserved(model, leaf_inputs(args, kwargs)), cache_off, rec.memory, rec.costs:
             with torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
-                train_step(model, args, kwargs, loss_fn, after_forward=rec.after_forward)
+                train_step(
+                    model, args, kwargs, loss_fn, after_forward=rec.after_forward, autocast=autocast
+                )
             recording = rec.finish()
     finally:
         for h in handles + rec.grad_hooks:

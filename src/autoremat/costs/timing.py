@@ -23,6 +23,7 @@ from autoremat.entries import call_key
 from autoremat.nested import run_model
 from autoremat.selective import WAYS, keeps, resolve
 from autoremat.snapshot import preserved
+from autoremat.step import Autocast, autocast_for
 
 __all__ = ["DEFAULT_OVERHEADS", "OpTimes", "overheads", "per_op", "time_forward"]
 
@@ -66,6 +67,7 @@ def time_forward(
     nodes: dict[int, tuple[str, nn.Module, int]],
     device: torch.device,
     runs: int = 2,
+    autocast: Autocast | None = None,
 ) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
     """Inclusive forward wall time per node (all calls), and the time of each node's own ops
     (``(path, "")``) and of those each way of selective recompute keeps (``(path, way)``):
@@ -75,7 +77,8 @@ def time_forward(
     best_seconds: dict[str, float] = {}
     best_ops: dict[tuple[str, str], float] = {}
     for _ in range(runs):
-        seconds, ops = _one_timed_forward(model, args, kwargs, nodes, _sync_for(device))
+        with autocast_for(model, autocast):
+            seconds, ops = _one_timed_forward(model, args, kwargs, nodes, _sync_for(device))
         for path, t in seconds.items():
             best_seconds[path] = min(best_seconds.get(path, math.inf), t)
         for key, t in ops.items():

@@ -1,0 +1,113 @@
+"""Autocast where autocast cannot act: the casts it would make, made by a function mode.
+
+``torch.autocast`` acts through a dispatch key of real devices (CUDA, CPU): a model on ``meta``
+runs under it in float32 and its profile shows float32 activations, twice a bf16 run's.
+:class:`MetaAutocast` makes the same casts at the same level (above autograd, so the cast
+copies are what autograd saves, as under autocast): before each function of autocast's lists
+it casts the floating-point tensor arguments, to the lower precision (matrix products,
+convolutions, attention), to float32 (losses, and on CUDA softmax, normalisations, reductions
+that need range) or to the widest among them (ops that mix dtypes). Like autocast it casts a
+leaf that requires grad (a weight) once per region and keeps the copy until the region ends.
+
+The lists follow PyTorch's autocast op lists for ``cuda`` and ``cpu``
+(``aten/src/ATen/autocast_mode.cpp``), by function name as ``torch.overrides`` sees them
+(``linear``, ``matmul``, ``softmax``, ``cross_entropy``); an op autocast lists that a model
+reaches only inside another torch function is cast by that function's entry, or not at all
+(checked to the byte on the CPU lists against real CPU autocast: ``tests/test_fit.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+__all__ = ["LOWER", "TO_FLOAT32", "MetaAutocast"]
+
+_MATMULS = {
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv", "linear",
+    "addbmm", "baddbmm", "bmm", "chain_matmul", "multi_dot", "lstm_cell", "gru_cell",
+    "rnn_tanh_cell", "rnn_relu_cell", "scaled_dot_product_attention",
+}  # fmt: skip
+_LOSSES = {
+    "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss",
+    "cosine_embedding_loss", "hinge_embedding_loss", "margin_ranking_loss", "soft_margin_loss",
+    "triplet_margin_loss", "multi_margin_loss", "multilabel_margin_loss", "ctc_loss",
+}  # fmt: skip
+# function names autocast runs in the lower precision, by device type
+LOWER: dict[str, frozenset[str]] = {
+    "cuda": frozenset(_MATMULS),
+    "cpu": frozenset(_MATMULS - {"addmv", "addr", "einsum", "mv", "chain_matmul", "multi_dot"}),
+}
+# ... and in float32
+TO_FLOAT32: dict[str, frozenset[str]] = {
+    "cuda": frozenset(
+        _LOSSES
+        | {
+            "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+            "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus", "layer_norm", "group_norm",
+            "norm", "cosine_similarity", "dist", "pdist", "cdist", "renorm", "logsumexp",
+            "softmax", "log_softmax", "cumsum", "cumprod", "sum", "prod",
+        }
+    ),
+    "cpu": frozenset(_LOSSES | {"cdist", "prod", "trace", "grid_sampler", "stft"}),
+}  # fmt: skip
+_WIDEST = frozenset({"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "tensordot",
+                     "index_put", "scatter_add", "cat", "stack"})  # fmt: skip
+
+
+class MetaAutocast(TorchFunctionMode):
+    """The casts of ``torch.autocast(device_type, dtype)``, as a function mode (module
+    docstring). Use around a step on ``meta`` that will run under autocast on the device."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        if device_type not in LOWER:
+            raise ValueError(f"device_type must be one of {list(LOWER)}, got {device_type!r}")
+        self.lower, self.fp32 = LOWER[device_type], TO_FLOAT32[device_type]
+        self.dtype = dtype
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "").strip("_")
+        if name in self.lower:
+            args, kwargs = tree_map(lambda v: self._cast(v, self.dtype), (args, kwargs))
+        elif name in self.fp32:
+            args, kwargs = tree_map(lambda v: self._cast(v, torch.float32), (args, kwargs))
+        elif name in _WIDEST:
+            widest = _widest((args, kwargs))
+            if widest is not None:
+                args, kwargs = tree_map(lambda v: self._cast(v, widest), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _cast(self, value: Any, dtype: torch.dtype) -> Any:
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+            return value
+        if value.dtype == dtype or value.dtype == torch.float64:
+            return value
+        leaf = value.is_leaf and value.requires_grad
+        cacheable = leaf and dtype == self.dtype and torch.is_grad_enabled()
+        if cacheable and id(value) in self.cache:
+            return self.cache[id(value)][1]
+        cast = value.to(dtype)
+        if cacheable:
+            self.cache[id(value)] = (value, cast)
+        return cast
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.cache.clear()
+        return super().__exit__(*exc)
+
+
+def _widest(tree: Any) -> torch.dtype | None:
+    floats = [
+        v.dtype
+        for v in torch.utils._pytree.tree_leaves(tree)
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    ]
+    return max(floats, key=lambda d: torch.finfo(d).bits) if floats else None
