@@ -288,26 +288,26 @@ def fit(
     prober = _Prober(model, make_inputs, opt, dm, loss_fn, selective, spec)
     top = prober.largest(max_batch)
     if top == 0:
-        need = prober.probe(1).lowest
-        raise ValueError(
-            f"even a batch of 1 does not fit {dm}: its training step needs "
-            f"{format_size(need.device)} with the most recompute:\n{need}\nUse a device with "
-            f"more memory, mixed precision, or an optimizer with less state"
-        )
+        raise _none_fits(prober.probe(1).lowest, dm)
     without = prober.largest(top, recompute=False)
     candidates = [prober.candidate(b) for b in _ladder(without, top, objective)]
     best = max(candidates, key=lambda c: (c.samples_per_second, c.batch))
     chosen = best if objective == "throughput" else candidates[-1]
     plan = chosen.plan or plan_from_profile(model, prober.probe(chosen.batch).profile, 1.0)
-    measured = (
-        _verify(model, make_inputs, chosen.batch, plan, optimizer, (loss_fn, spec))
-        if verify
-        else None
-    )
+    how = (loss_fn, spec)
+    measured = _verify(model, make_inputs, chosen.batch, plan, optimizer, how) if verify else None
     found = Fit(chosen.batch, plan, dm, tuple(candidates), without, measured, objective, chosen)
     if found.fits is False:
         logger.warning("batch %d was predicted to fit but measured %s", chosen.batch, measured)
     return found
+
+
+def _none_fits(need: StepMemory, dm: DeviceModel) -> ValueError:
+    return ValueError(
+        f"even a batch of 1 does not fit {dm}: its training step needs "
+        f"{format_size(need.device)} with the most recompute:\n{need}\nUse a device with "
+        f"more memory, mixed precision (autocast=torch.bfloat16), or an optimizer with less state"
+    )
 
 
 def _ladder(without: int, top: int, objective: str) -> list[int]:
