@@ -222,3 +222,35 @@ def test_autocast_is_sized_on_meta_as_it_runs(name: str) -> None:
     assert found.fits and found.measured is not None and found.chosen is not None
     predicted = found.chosen.memory.tensors
     assert abs(predicted - found.measured.tensors) <= 0.01 * found.measured.tensors
+
+
+def test_a_plan_made_for_autocast_holds_its_budget_under_autocast() -> None:
+    """``plan(..., autocast=...)`` profiles forward and loss under autocast, as it will train;
+    inside an autocast region it does the same (the region's cast cache would hide the step's
+    casts), and ``measure(..., autocast=...)`` measures that step."""
+    model, args, kwargs = EXAMPLES["looped"]()
+    spec = ("cpu", torch.bfloat16)
+    chosen = autoremat.plan(model, args, kwargs, budget=0.5, autocast=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = autoremat.plan(model, args, kwargs, budget=0.5, objective="flops")
+    explicit = autoremat.plan(model, args, kwargs, budget=0.5, objective="flops", autocast=spec)
+    assert inside.estimated_peak == explicit.estimated_peak
+    assert inside.baseline_peak == explicit.baseline_peak == chosen.baseline_peak
+    wrapped = chosen.apply(copy.deepcopy(model))
+    measured = autoremat.measure(wrapped, args, kwargs, autocast=spec).peak
+    assert chosen.estimated_peak is not None and chosen.budget is not None
+    assert measured <= chosen.budget
+    assert abs(chosen.estimated_peak - measured) <= 0.05 * measured
+
+
+def test_autocast_and_device_memory_forms_are_checked_with_messages() -> None:
+    model, args, kwargs = EXAMPLES["mlp"]()
+    with pytest.raises(TypeError, match=r"autocast must be None, a dtype"):
+        autoremat.measure_training(model, args, kwargs, autocast="bf16")
+    with pytest.raises(ValueError, match=r"device_memory '150%' is not understood"):
+        autoremat.plan_for_device(model, args, kwargs, device_memory="150%")
+    shadow = autoremat.device_fit.meta_shadow(model)
+    found = autoremat.fit(
+        shadow, lambda b: autoremat.scale_batch(args, kwargs, b), device_memory="64MiB"
+    )
+    assert found.batch >= 1 and found.measured is None  # nothing runs on meta

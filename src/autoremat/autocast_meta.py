@@ -11,9 +11,11 @@ leaf that requires grad (a weight) once per region and keeps the copy until the 
 
 The lists follow PyTorch's autocast op lists for ``cuda`` and ``cpu``
 (``aten/src/ATen/autocast_mode.cpp``), by function name as ``torch.overrides`` sees them
-(``linear``, ``matmul``, ``softmax``, ``cross_entropy``); an op autocast lists that a model
-reaches only inside another torch function is cast by that function's entry, or not at all
-(checked to the byte on the CPU lists against real CPU autocast: ``tests/test_fit.py``).
+(``linear``, ``matmul``, ``softmax``, ``cross_entropy``). An op autocast casts only inside
+another torch function (CPU's recurrent cells, whose inner products autocast casts) is not cast
+here: that function runs in float32, over-predicted. Checked to the byte on the CPU lists
+against real CPU autocast on transformers, MLPs, convolutional nets (``tests/test_fit.py``);
+the CUDA lists are PyTorch's, unchecked on a GPU.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ __all__ = ["LOWER", "TO_FLOAT32", "MetaAutocast"]
 _MATMULS = {
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv", "linear",
-    "addbmm", "baddbmm", "bmm", "chain_matmul", "multi_dot", "lstm_cell", "gru_cell",
-    "rnn_tanh_cell", "rnn_relu_cell", "scaled_dot_product_attention",
+    "addbmm", "baddbmm", "bmm", "chain_matmul", "multi_dot", "scaled_dot_product_attention",
 }  # fmt: skip
+# CUDA's autocast lists the recurrent cells; CPU's casts only the products inside them, which a
+# function mode does not see: on CPU they run in float32 here (over-predicted, never under)
+_CELLS = {"lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"}
 _LOSSES = {
     "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
     "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss",
@@ -40,7 +44,7 @@ _LOSSES = {
 }  # fmt: skip
 # function names autocast runs in the lower precision, by device type
 LOWER: dict[str, frozenset[str]] = {
-    "cuda": frozenset(_MATMULS),
+    "cuda": frozenset(_MATMULS | _CELLS),
     "cpu": frozenset(_MATMULS - {"addmv", "addr", "einsum", "mv", "chain_matmul", "multi_dot"}),
 }
 # ... and in float32

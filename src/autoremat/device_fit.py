@@ -39,7 +39,7 @@ from autoremat.planner import plan_from_profile, profile_lowest
 from autoremat.plans import Plan
 from autoremat.progress import Progress
 from autoremat.sizes import format_size
-from autoremat.step import Autocast, LossFn
+from autoremat.step import Autocast, LossFn, autocast_spec
 from autoremat.strategies.budget import BudgetTooLow
 from autoremat.training_memory import TrainingMeasurement, measure_training
 from autoremat.whole_step import StepMemory, step_memory
@@ -235,12 +235,6 @@ class _NotNearLowest(logging.Filter):
         return "of the lowest peak" not in record.getMessage()
 
 
-def _autocast_device(device: torch.device) -> str:
-    """The device type whose autocast a model on ``device`` trains under (``cuda`` for a model
-    on ``meta``: the GPU it is planned for)."""
-    return "cuda" if device.type == "meta" else device.type
-
-
 def _on_meta(value: Any) -> Any:
     return value.to("meta") if isinstance(value, torch.Tensor) else value
 
@@ -252,7 +246,7 @@ def fit(
     device_memory: int | float | str,
     optimizer: OptimizerLike = "adamw",
     loss_fn: LossFn | None = None,
-    autocast: torch.dtype | None = None,
+    autocast: Autocast | torch.dtype | None = None,
     objective: str = "batch",
     max_batch: int = 2**16,
     selective: bool = True,
@@ -267,13 +261,15 @@ def fit(
     bytes, a size (``"24GiB"``) or a fraction (``"90%"``) of the model's device
     (:mod:`autoremat.device_memory`). ``optimizer``: a name (``"sgd"``, ``"adam"``,
     ``"adamw"``), an optimizer to copy, a function from parameters to one, or ``None``.
-    ``autocast`` (``torch.bfloat16``, ``torch.float16``): the step's forward and loss run under
-    ``torch.autocast`` of the model's device with that dtype; sized on ``meta`` with autocast's
-    casts made there (:mod:`autoremat.autocast_meta`).
+    ``autocast`` (``torch.bfloat16``: the model's device's autocast, ``cuda`` for a model on
+    ``meta``; or ``(device_type, dtype)``): the step's forward and loss run under
+    ``torch.autocast``; sized on ``meta`` with autocast's casts made there
+    (:mod:`autoremat.autocast_meta`).
     ``objective``: ``"batch"`` (the largest batch) or ``"throughput"`` (of the largest batch
     and a few smaller ones, the most predicted samples per second). With ``verify``, the plan
-    is applied, real steps run at that batch on the model's device, and the model is put back
-    as found. Logs and shows progress; the model must not be wrapped.
+    is applied, real steps run at that batch on the model's device (not for a model on
+    ``meta``), and the model is put back as found. Logs and shows progress; the model must
+    not be wrapped.
 
     Raises:
         ValueError: even a batch of 1 does not fit (the message gives the memory it needs),
@@ -283,7 +279,7 @@ def fit(
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dm = device_model(device_memory, device)
-    spec = None if autocast is None else (_autocast_device(device), autocast)
+    spec = autocast_spec(autocast, model)
     opt = optimizer_memory(model, optimizer)
     prober = _Prober(model, make_inputs, opt, dm, loss_fn, selective, spec)
     top = prober.largest(max_batch)
@@ -295,6 +291,7 @@ def fit(
     chosen = best if objective == "throughput" else candidates[-1]
     plan = chosen.plan or plan_from_profile(model, prober.probe(chosen.batch).profile, 1.0)
     how = (loss_fn, spec)
+    verify = verify and device.type != "meta"  # nothing runs on meta
     measured = _verify(model, make_inputs, chosen.batch, plan, optimizer, how) if verify else None
     found = Fit(chosen.batch, plan, dm, tuple(candidates), without, measured, objective, chosen)
     if found.fits is False:
@@ -306,7 +303,7 @@ def _none_fits(need: StepMemory, dm: DeviceModel) -> ValueError:
     return ValueError(
         f"even a batch of 1 does not fit {dm}: its training step needs "
         f"{format_size(need.device)} with the most recompute:\n{need}\nUse a device with "
-        f"more memory, mixed precision (autocast=torch.bfloat16), or an optimizer with less state"
+        f"more memory, a lower precision, or an optimizer with less state"
     )
 
 
@@ -346,7 +343,7 @@ def plan_for_device(
     loss_fn: LossFn | None = None,
     selective: bool = True,
     objective: str = "time",
-    autocast: torch.dtype | None = None,
+    autocast: Autocast | torch.dtype | None = None,
 ) -> Plan:
     """The cheapest plan whose whole training step (:mod:`autoremat.whole_step`) fits
     ``device_memory`` at these inputs: a budget plan whose budget is what the device leaves
@@ -360,7 +357,7 @@ def plan_for_device(
             lowest peak (activations).
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    spec = None if autocast is None else (_autocast_device(device), autocast)
+    spec = autocast_spec(autocast, model)
     prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec)
     dm = device_model(device_memory, device)
     memory = step_memory(model, (args, kwargs), prof.peak, optimizer_memory(model, optimizer), dm)

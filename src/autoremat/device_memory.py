@@ -90,7 +90,13 @@ def device_model(spec: int | float | str, device: torch.device | str = "cpu") ->
             forms).
     """
     device = torch.device(device)
-    parsed = Budget.parse(spec)
+    try:
+        parsed = Budget.parse(spec)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(
+            f"device_memory {spec!r} is not understood: give whole bytes (int), a size such as "
+            f'"24GiB" or "800MB", or a fraction of the device\'s memory (0.9, "90%")'
+        ) from None
     total = parsed.resolve(device_total(device) if parsed.bytes is None else 0)
     if device.type != "cuda":
         return DeviceModel(str(device), total)

@@ -50,7 +50,7 @@ from autoremat.memory import CpuAllocatorMemory, CudaMemory, LiveMemory
 from autoremat.nested import iter_tensors
 from autoremat.sizes import format_size
 from autoremat.snapshot import preserved
-from autoremat.step import LossFn, default_loss, leaf_inputs, train_step
+from autoremat.step import LossFn, autocast_spec, default_loss, leaf_inputs, train_step
 
 __all__ = ["MEMORY", "Measurement", "measure"]
 
@@ -104,6 +104,7 @@ def measure(
     loss_fn: LossFn | None = None,
     repeats: int = 1,
     memory: str = "auto",
+    autocast: Any = None,
 ) -> Measurement:
     """Measure one training step of ``model(*args, **kwargs)``.
 
@@ -115,6 +116,8 @@ def measure(
     ``flops``), then ``repeats`` times without either (for ``seconds``). Every run starts from
     the same global RNG state, so dropout draws the same masks in each, and from
     ``.grad = None`` also for leaf inputs requiring grad. ``args`` may be a single tensor.
+    ``autocast`` (a dtype, or ``(device_type, dtype)``): forward and loss under
+    ``torch.autocast``, backward outside, as :func:`autoremat.plan` profiles it.
 
     The model is left as found: buffers (BatchNorm statistics included), ``.grad`` of every
     parameter and of every leaf input that requires grad (the same tensor objects, or None),
@@ -137,8 +140,10 @@ def measure(
     loss_fn = default_loss if loss_fn is None else loss_fn
     inputs = leaf_inputs(args, kwargs)
 
+    spec = autocast_spec(autocast, model)
+
     def run(after_forward: Any = None) -> None:
-        train_step(model, args, kwargs, loss_fn, after_forward=after_forward)
+        train_step(model, args, kwargs, loss_fn, after_forward=after_forward, autocast=spec)
 
     # Memory and FLOPs come from two runs: FlopCounterMode's module tracker keeps the autograd
     # nodes of checkpoint recomputes alive (their recomputed activations with them) until it

@@ -31,6 +31,7 @@ def plan(
     loss_fn: LossFn | None = None,
     selective: bool = True,
     objective: str = "time",
+    autocast: Any = None,
 ) -> Plan:
     """Choose the modules of ``model`` to recompute.
 
@@ -53,6 +54,10 @@ def plan(
     ``"flops"``, its FLOPs as ``FlopCounterMode`` counts them (pointwise ops free; bytes written
     break ties; the plan is the same on every machine).
 
+    ``autocast`` (a dtype, or ``(device_type, dtype)``): the budget strategy profiles the step
+    with its forward and loss under ``torch.autocast``, as it will train (also when ``plan``
+    is called inside an autocast region: :func:`autoremat.profile`).
+
     Both run the model on the example inputs and leave it as they found it.
 
     Raises:
@@ -65,7 +70,9 @@ def plan(
         ExampleInputsError: (a ValueError) the example inputs fail in forward; the message
             names the module.
     """
-    request = Request(type(model).__name__, segments, budget, loss_fn, selective, objective)
+    request = Request(
+        type(model).__name__, segments, budget, loss_fn, selective, objective, autocast
+    )
     strategy, request = _strategy_for(request)
     evidence, tree = _evidence(strategy, model, args, kwargs, request)
     return Plan(
@@ -101,7 +108,7 @@ def _evidence(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if strategy.needs == "profile":
         with running_eagerly(model):
-            prof = profile(model, args, kwargs, loss_fn=request.loss_fn)
+            prof = profile(model, args, kwargs, loss_fn=request.loss_fn, autocast=request.autocast)
         assert prof.module_tree is not None, "profile() sets it"
         _require_submodules(model, prof.module_tree)
         return prof, prof.module_tree
@@ -159,6 +166,7 @@ def lowest_budget(
     loss_fn: LossFn | None = None,
     selective: bool = True,
     objective: str = "time",
+    autocast: Any = None,
 ) -> int:
     """The lowest budget, in bytes, that :func:`plan` meets for this model and inputs: the
     least predicted step peak any plan reaches (the same figure an infeasible budget's error
@@ -167,7 +175,7 @@ def lowest_budget(
     Raises:
         ValueError: no submodule ran, or ``objective`` is unknown; see :func:`plan`.
     """
-    request = Request(type(model).__name__, None, 1, loss_fn, selective, objective)
+    request = Request(type(model).__name__, None, 1, loss_fn, selective, objective, autocast)
     request = budget_strategy.STRATEGY.check(request)
     prof, _ = _evidence(budget_strategy.STRATEGY, model, args, kwargs, request)
     return budget_strategy.lowest(prof, request)

@@ -8,7 +8,7 @@ records and the comparison harness times: every ``.grad`` set to ``None`` first 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,7 +20,9 @@ from autoremat.nested import iter_tensors, run_model
 __all__ = [
     "Autocast",
     "LossFn",
+    "ambient_autocast",
     "autocast_for",
+    "autocast_spec",
     "check_loss",
     "default_loss",
     "leaf_inputs",
@@ -95,7 +97,54 @@ def autocast_for(model: nn.Module, autocast: Autocast | None) -> Any:
     device_type, dtype = autocast
     if any(p.device.type == "meta" for p in model.parameters()):
         return MetaAutocast(device_type, dtype)
-    return torch.autocast(device_type, dtype=dtype)
+    return _region(device_type, dtype)
+
+
+@contextlib.contextmanager
+def _region(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    """``torch.autocast(device_type, dtype)`` with its cast cache empty on entry and exit, as
+    an outermost region has it (inside another region, torch keeps the cache until that one
+    ends)."""
+    torch.clear_autocast_cache()
+    try:
+        with torch.autocast(device_type, dtype=dtype):
+            yield
+    finally:
+        torch.clear_autocast_cache()
+
+
+def autocast_spec(value: Any, model: nn.Module) -> Autocast | None:
+    """``autocast=`` as every function takes it, made ``(device_type, dtype)``: ``None``; a
+    dtype (``torch.bfloat16``: the autocast of the model's device, ``cuda`` for a model on
+    ``meta``); or ``(device_type, dtype)`` as it is.
+
+    Raises:
+        TypeError: anything else (the message gives the forms).
+    """
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        return ("cuda" if device == "meta" else device, value)
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and isinstance(value[1], torch.dtype)
+    ):
+        return value
+    raise TypeError(
+        f"autocast must be None, a dtype (torch.bfloat16) or (device_type, dtype) such as "
+        f"('cuda', torch.bfloat16); got {value!r}"
+    )
+
+
+def ambient_autocast() -> Autocast | None:
+    """The autocast enabled where this is called (``cuda`` first, then ``cpu``), or None."""
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            return device_type, torch.get_autocast_dtype(device_type)
+    return None
 
 
 def leaf_inputs(args: Any, kwargs: Any) -> list[torch.Tensor]:

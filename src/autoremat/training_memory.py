@@ -25,7 +25,7 @@ from torch import nn
 from autoremat.memory import LiveMemory
 from autoremat.optimizer_memory import OptimizerLike, optimizer_factory
 from autoremat.sizes import format_size
-from autoremat.step import Autocast, LossFn, default_loss, train_step
+from autoremat.step import Autocast, LossFn, autocast_spec, default_loss, train_step
 from autoremat.whole_step import tensor_bytes
 
 __all__ = ["TrainingMeasurement", "measure_training"]
@@ -58,13 +58,13 @@ def measure_training(
     optimizer: OptimizerLike = "adamw",
     loss_fn: LossFn | None = None,
     steps: int = 2,
-    autocast: Autocast | None = None,
+    autocast: Autocast | torch.dtype | None = None,
 ) -> TrainingMeasurement:
     """Measure the memory of training ``model`` on these inputs with ``optimizer`` (a name of
     :data:`autoremat.optimizer_memory.OPTIMIZERS`, an optimizer to copy, a function from
     parameters to one, or ``None``): see the module docstring. ``steps`` >= 1 steps run; the
-    last is measured. ``autocast`` (``(device_type, dtype)``): forward and loss under
-    ``torch.autocast``.
+    last is measured. ``autocast`` (a dtype, or ``(device_type, dtype)``): forward and loss
+    under ``torch.autocast``.
 
     Raises:
         ValueError: ``steps`` below 1, an unknown optimizer name; see :func:`autoremat.measure`
@@ -78,7 +78,8 @@ def measure_training(
     saved = _Saved(model)
     try:
         with torch.random.fork_rng(devices=_cuda_devices(model)):
-            return _run(model, args, kwargs or {}, make, (loss_fn, autocast), steps)
+            how = (loss_fn, autocast_spec(autocast, model))
+            return _run(model, args, kwargs or {}, make, how, steps)
     finally:
         saved.restore()
 

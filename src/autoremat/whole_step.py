@@ -126,14 +126,15 @@ def predict_training(
     plan: Plan | None = None,
     loss_fn: LossFn | None = None,
     device_memory: int | float | str | None = None,
-    autocast: Autocast | None = None,
+    autocast: Autocast | torch.dtype | None = None,
 ) -> StepMemory:
     """The whole training step's memory of ``model`` on these inputs with ``optimizer`` (a
     name of :data:`autoremat.optimizer_memory.OPTIMIZERS`, an optimizer to copy, a function
     from parameters to one, or ``None``): with ``plan``, its predicted step peak; without, one
     step profiled (on ``meta`` too: a model and inputs on ``meta`` give what real ones
-    would; with ``autocast``, ``(device_type, dtype)``, forward and loss run under autocast,
-    emulated on ``meta``: :mod:`autoremat.autocast_meta`). With ``device_memory`` (as
+    would; with ``autocast``, a dtype or ``(device_type, dtype)``, forward and loss run under
+    autocast, emulated on ``meta``: :mod:`autoremat.autocast_meta`; a plan's estimate is used
+    as it is, so make the plan with the same ``autocast``). With ``device_memory`` (as
     :func:`autoremat.fit` takes it), ``device`` counts what the device's runtime and allocator
     add. Nothing is changed.
     """

@@ -35,6 +35,7 @@ checkpointed module saves nothing to see.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,7 @@ from autoremat.costs.timing import DEFAULT_OVERHEADS, overheads, time_forward
 from autoremat.nested import iter_tensors
 from autoremat.selective import WAYS
 from autoremat.sizes import format_size
-from autoremat.step import Autocast, LossFn
+from autoremat.step import Autocast, LossFn, ambient_autocast, autocast_spec
 from autoremat.tree import Node, build_tree
 
 __all__ = [
@@ -247,13 +248,15 @@ def profile(
     kwargs: dict[str, Any] | None = None,
     *,
     loss_fn: LossFn | None = None,
-    autocast: Autocast | None = None,
+    autocast: Autocast | torch.dtype | None = None,
 ) -> Profile:
     """Per-node costs of ``model`` on the example inputs (see the module docstring).
 
-    With ``autocast`` (``(device_type, dtype)``, e.g. ``("cuda", torch.bfloat16)``) the step's
-    forward and loss run under ``torch.autocast``, and on ``meta`` under
-    :class:`~autoremat.autocast_meta.MetaAutocast`, which makes autocast's casts there.
+    With ``autocast`` (a dtype, or ``(device_type, dtype)`` such as ``("cuda",
+    torch.bfloat16)``) the step's forward and loss run under ``torch.autocast``, and on ``meta``
+    under :class:`~autoremat.autocast_meta.MetaAutocast`, which makes autocast's casts there.
+    Called inside an autocast region, it profiles under that autocast the same way (forward and
+    loss only: the region's cast cache would otherwise hide the step's casts).
 
     Runs one training step (forward, ``loss_fn`` on the output, backward; ``loss_fn`` defaults
     to :func:`autoremat.step.default_loss`, and its forward costs go to the root) from
@@ -272,6 +275,23 @@ def profile(
             "profile needs the unwrapped model (a checkpointed module saves nothing to "
             "measure): call autoremat.remove(model) first"
         )
+    autocast = autocast_spec(autocast, model) or ambient_autocast()
+    with _no_ambient_autocast():
+        return _profile(model, args, kwargs, loss_fn, autocast)
+
+
+def _no_ambient_autocast() -> Any:
+    """Autocast off for ``cpu`` and ``cuda`` (the profile turns it on where the step runs)."""
+    stack = contextlib.ExitStack()
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
+
+
+def _profile(
+    model: nn.Module, args: Any, kwargs: Any, loss_fn: LossFn | None, autocast: Autocast | None
+) -> Profile:
     modules = build_tree(model, args, kwargs)
     tensors = [*(t for _, t in iter_tensors((args, kwargs))), *model.parameters()]
     meta = any(t.device.type == "meta" for t in tensors)

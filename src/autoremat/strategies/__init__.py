@@ -37,6 +37,7 @@ class Request:
     loss_fn: LossFn | None = None
     selective: bool = True
     objective: str = "time"
+    autocast: Any = None  # as autoremat.profile takes it
 
 
 @dataclass(frozen=True)
