@@ -116,13 +116,11 @@ def measure(
     ``flops``), then ``repeats`` times without either (for ``seconds``). Every run starts from
     the same global RNG state, so dropout draws the same masks in each, and from
     ``.grad = None`` also for leaf inputs requiring grad. ``args`` may be a single tensor.
-    ``autocast`` (a dtype, or ``(device_type, dtype)``): forward and loss under
-    ``torch.autocast``, backward outside, as :func:`autoremat.plan` profiles it.
+    ``autocast`` (a dtype, or ``(device_type, dtype)``): forward and loss under autocast.
 
-    The model is left as found: buffers (BatchNorm statistics included), ``.grad`` of every
-    parameter and of every leaf input that requires grad (the same tensor objects, or None),
-    training flags and the global RNG state are restored, also when the step raises (no
-    optimizer runs). :class:`Measurement` defines the figures.
+    The model is left as found (buffers, the ``.grad`` of parameters and of leaf inputs,
+    training flags, the global RNG state), also when the step raises (no optimizer runs).
+    :class:`Measurement` defines the figures.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -137,17 +135,15 @@ def measure(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    loss_fn = default_loss if loss_fn is None else loss_fn
     inputs = leaf_inputs(args, kwargs)
-
-    spec = autocast_spec(autocast, model)
+    how = (loss_fn or default_loss, autocast_spec(autocast, model))
 
     def run(after_forward: Any = None) -> None:
-        train_step(model, args, kwargs, loss_fn, after_forward=after_forward, autocast=spec)
+        train_step(model, args, kwargs, how[0], after_forward=after_forward, autocast=how[1])
 
     # Memory and FLOPs come from two runs: FlopCounterMode's module tracker keeps the autograd
     # nodes of checkpoint recomputes alive (their recomputed activations with them) until it
-    # exits, which would inflate the peak of a checkpointed model.
+    # exits, which would inflate a checkpointed model's peak.
     cuda = _uses_cuda(model, args, kwargs)
     tracker = _tracker(memory, model, cuda)
     with preserved(model, inputs), tracker as tracked:

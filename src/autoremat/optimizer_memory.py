@@ -33,6 +33,8 @@ OPTIMIZERS: dict[str, Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]]
     "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
     "adam": lambda params: torch.optim.Adam(params),
     "adamw": lambda params: torch.optim.AdamW(params),
+    "rmsprop": lambda params: torch.optim.RMSprop(params),
+    "adagrad": lambda params: torch.optim.Adagrad(params),
 }
 
 OptimizerLike = str | torch.optim.Optimizer | Callable[[Iterable[torch.Tensor]], Any] | None

@@ -54,9 +54,8 @@ def plan(
     ``"flops"``, its FLOPs as ``FlopCounterMode`` counts them (pointwise ops free; bytes written
     break ties; the plan is the same on every machine).
 
-    ``autocast`` (a dtype, or ``(device_type, dtype)``): the budget strategy profiles the step
-    with its forward and loss under ``torch.autocast``, as it will train (also when ``plan``
-    is called inside an autocast region: :func:`autoremat.profile`).
+    ``autocast`` (a dtype, or ``(device_type, dtype)``; or called inside an autocast region):
+    the budget strategy profiles forward and loss under it (:func:`autoremat.profile`).
 
     Both run the model on the example inputs and leave it as they found it.
 
@@ -70,9 +69,8 @@ def plan(
         ExampleInputsError: (a ValueError) the example inputs fail in forward; the message
             names the module.
     """
-    request = Request(
-        type(model).__name__, segments, budget, loss_fn, selective, objective, autocast
-    )
+    name = type(model).__name__
+    request = Request(name, segments, budget, loss_fn, selective, objective, autocast)
     strategy, request = _strategy_for(request)
     evidence, tree = _evidence(strategy, model, args, kwargs, request)
     return Plan(
