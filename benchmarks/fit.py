@@ -41,8 +41,8 @@ import run
 from autoremat import fit, measure_training, remove, scale_batch
 from autoremat.examples import EXAMPLES
 from autoremat.memory import LiveMemory
+from autoremat.nested import tensor_bytes
 from autoremat.step import train_step
-from autoremat.whole_step import tensor_bytes
 
 # model -> the device sizes tried
 DEVICES = {

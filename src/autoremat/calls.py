@@ -44,7 +44,6 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from autoremat.classes import Hook, pickle_as_plain, stop_pickling_as_plain
-from autoremat.entries import call_entry
 from autoremat.replay import decided
 
 __all__ = [
@@ -82,12 +81,12 @@ class ChosenCalls:
         copied.warned = set(self.warned)
         return copied
 
-    def take(self) -> tuple[str, Any]:
-        """This call's label and ``context_fn`` (``None``: whole), or ``(label, PLAIN)``; in a
-        recompute, what the same call had in the forward."""
+    def take(self) -> tuple[int, Any]:
+        """This call's index and ``context_fn`` (``None``: whole, :data:`PLAIN`: not chosen);
+        in a recompute, what the same call had in the forward."""
         compiling = torch.compiler.is_compiling()
         k = _advance_untraced(id(self)) if compiling else decided(self.advance)
-        return call_entry(self.path, k), self.chosen.get(k, PLAIN)
+        return k, self.chosen.get(k, PLAIN)
 
     def advance(self) -> int:
         """The index of this call; the count moves on. The first call of a step with gradients

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["iter_tensors", "run_model", "storage_key", "version_of"]
+__all__ = ["iter_tensors", "run_model", "storage_key", "tensor_bytes", "version_of"]
 
 _ATOMS = (str, bytes, int, float, bool, complex, type(None), nn.Module, type)
 
@@ -59,6 +59,17 @@ def storage_key(t: torch.Tensor) -> int | None:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the distinct storages behind the tensors in ``obj`` (walked as
+    :func:`iter_tensors` walks), each storage counted once (views and shared tensors too)."""
+    found: dict[int, int] = {}
+    for _, t in iter_tensors(obj):
+        key = storage_key(t)
+        if key is not None:
+            found[key] = t.untyped_storage().nbytes()
+    return sum(found.values())
 
 
 def version_of(t: torch.Tensor) -> int | None:

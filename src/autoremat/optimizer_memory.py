@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from autoremat.memory import LiveMemory
+from autoremat.nested import tensor_bytes
 
 __all__ = [
     "OPTIMIZERS",
@@ -101,16 +102,5 @@ def optimizer_memory(model: nn.Module, optimizer: OptimizerLike) -> OptimizerMem
             f"optimizer without fused=True (its state is the same), or a name: "
             f"{', '.join(OPTIMIZERS)}"
         ) from exc
-    state = _state_bytes(opt)
+    state = tensor_bytes([list(entry.values()) for entry in opt.state.values()])
     return OptimizerMemory(state=state, step=max(0, second.peak, first.peak - first.current))
-
-
-def _state_bytes(opt: Any) -> int:
-    """Bytes of the tensors in ``opt.state`` (each counted once)."""
-    tensors = {
-        id(v): v
-        for entry in opt.state.values()
-        for v in entry.values()
-        if isinstance(v, torch.Tensor)
-    }
-    return sum(t.untyped_storage().nbytes() for t in tensors.values())

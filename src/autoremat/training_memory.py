@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from autoremat.memory import LiveMemory
+from autoremat.nested import tensor_bytes
 from autoremat.optimizer_memory import OptimizerLike, optimizer_factory
 from autoremat.sizes import format_size
 from autoremat.step import Autocast, LossFn, autocast_spec, default_loss, train_step
-from autoremat.whole_step import tensor_bytes
 
 __all__ = ["TrainingMeasurement", "measure_training"]
 

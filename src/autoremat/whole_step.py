@@ -26,7 +26,7 @@ from torch import nn
 
 from autoremat.costs import profile
 from autoremat.device_memory import DeviceModel, device_model
-from autoremat.nested import iter_tensors
+from autoremat.nested import tensor_bytes
 from autoremat.optimizer_memory import OptimizerLike, OptimizerMemory, optimizer_memory
 from autoremat.sizes import format_size
 from autoremat.step import Autocast, LossFn
@@ -34,7 +34,7 @@ from autoremat.step import Autocast, LossFn
 if TYPE_CHECKING:
     from autoremat.plans import Plan
 
-__all__ = ["StepMemory", "predict_training", "step_memory", "tensor_bytes"]
+__all__ = ["StepMemory", "predict_training", "step_memory"]
 
 
 @dataclass(frozen=True)
@@ -80,17 +80,6 @@ class StepMemory:
             rows.append(("device (runtime, allocator)", self.device))
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"  {name:{width}}  {format_size(b):>11}" for name, b in rows)
-
-
-def tensor_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages of the tensors in ``tensors`` (nested as
-    :func:`autoremat.nested.iter_tensors` walks)."""
-    seen: dict[int, int] = {}
-    for _, t in iter_tensors(tensors):
-        storage = t.untyped_storage()
-        key = id(t) if t.device.type == "meta" else storage.data_ptr()
-        seen[key] = storage.nbytes()
-    return sum(seen.values())
 
 
 def step_memory(

@@ -147,12 +147,12 @@ class Checkpointed(Wrapped):
             if not torch.is_grad_enabled():
                 return own_forward(*args, **kwargs)
             return _checkpoint(label, [self], own_forward, args, kwargs, context_fn)
-        label, context_fn = chosen.take()  # some calls only: is this one of them?
+        k, context_fn = chosen.take()  # some calls only: is this one of them?
         if not torch.is_grad_enabled() or context_fn is PLAIN:
             out = own_forward(*args, **kwargs)
         else:
-            out = _checkpoint(label, [self], own_forward, args, kwargs, context_fn)
-        chosen.started(int(label.rpartition("@")[2]), out)
+            out = _checkpoint(call_entry(label, k), [self], own_forward, args, kwargs, context_fn)
+        chosen.started(k, out)
         return out
 
 
