@@ -258,3 +258,8 @@ def test_autocast_and_device_memory_forms_are_checked_with_messages() -> None:
         shadow, lambda b: autoremat.scale_batch(args, kwargs, b), device_memory="64MiB"
     )
     assert found.batch >= 1 and found.measured is None  # nothing runs on meta
+
+
+def test_the_fit_command_names_a_malformed_device_memory(capsys: Any) -> None:
+    assert main(["fit", "mlp", "--device-memory", "150%"]) == 2
+    assert "--device-memory 150% is not understood" in capsys.readouterr().err

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import logging
 import math
 import statistics
@@ -18,7 +17,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +25,7 @@ from torch import nn
 from autoremat.batch_inputs import batch_size_of, scale_batch
 from autoremat.device_fit import OBJECTIVES as FIT_OBJECTIVES
 from autoremat.device_fit import fit
-from autoremat.examples import EXAMPLES, Example
+from autoremat.examples import EXAMPLES
 from autoremat.measurement import Measurement, measure
 from autoremat.optimizer_memory import OPTIMIZERS
 from autoremat.planner import plan
@@ -36,6 +34,7 @@ from autoremat.sizes import format_size, parse_budget
 from autoremat.step import train_step
 from autoremat.strategies.budget import BudgetTooLow
 from autoremat.strategies.levels import DEFAULT_SEGMENTS
+from autoremat.targets import CliError, TargetError, load_target
 from autoremat.tree import build_tree
 
 __all__ = [
@@ -92,81 +91,6 @@ MiB, GiB, TiB) or whole bytes (25000000).
 Errors print one line, "autoremat: error: ...", and exit with status 2."""
 
 TARGET_HELP = "a built-in example name, or FILE.py:FACTORY (the file is executed)"
-
-
-class CliError(ValueError):
-    """A command-line mistake, with a message in the command line's own terms."""
-
-
-class TargetError(CliError):
-    """A TARGET that names no example and no loadable factory, or whose factory fails."""
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def load_target(target: str) -> Example:
-    """``(model, args, kwargs)`` for a TARGET: a name in :data:`autoremat.examples.EXAMPLES`
-    or ``path/to/file.py:factory``. The file is executed (imported as Python).
-
-    Raises:
-        TargetError: the name is unknown, the file or factory is missing, importing the file
-            or calling the factory raises (the message names both and the exception), or the
-            factory does not return ``(nn.Module, tuple, dict)``.
-    """
-    if target in EXAMPLES:
-        try:
-            return EXAMPLES[target]()
-        except Exception as exc:
-            raise TargetError(f"building example {target} raised {_one_line(exc)}") from exc
-    if ":" not in target:
-        raise TargetError(
-            f"unknown target {target!r}: use one of {', '.join(EXAMPLES)} "
-            f"or path/to/file.py:factory"
-        )
-    file, _, name = target.rpartition(":")
-    module = _import_file(file, name)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise TargetError(f"{file} has no function {name!r}")
-    try:
-        result = factory()
-    except (Exception, SystemExit) as exc:
-        raise TargetError(f"{name}() in {file} raised {_one_line(exc)}") from exc
-    if not (
-        isinstance(result, tuple)
-        and len(result) == 3
-        and isinstance(result[0], nn.Module)
-        and isinstance(result[1], tuple)
-        and isinstance(result[2], dict)
-    ):
-        raise TargetError(
-            f"{name}() in {file} must return (model: nn.Module, args: tuple, kwargs: dict), "
-            f"not {type(result).__name__}"
-        )
-    return result
-
-
-def _import_file(file: str, name: str) -> Any:
-    """The module that executing ``file`` makes, for its factory ``name``; the module is in
-    ``sys.modules`` (as dataclasses and pickling inside it expect)."""
-    path = Path(file)
-    if not path.is_file():
-        raise TargetError(f"no such file: {file}")
-    module_name = f"autoremat_target_{path.stem}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise TargetError(f"cannot import {file} as a Python file (name it *.py)")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:
-        sys.modules.pop(module_name, None)
-        raise TargetError(f"importing {file} (for {name}()) raised {_one_line(exc)}") from exc
-    return module
 
 
 def parse_budget_arg(text: str) -> int | float | str:
@@ -491,13 +415,20 @@ def _add_fit(p_fit: argparse.ArgumentParser) -> None:
 
 def _fit_command(ns: argparse.Namespace) -> int:
     """``autoremat fit``: the batch of TARGET's inputs scaled along their first dimension."""
+    try:
+        device_memory = parse_budget_arg(ns.device_memory)
+    except CliError:
+        raise CliError(
+            f"--device-memory {ns.device_memory} is not understood: give a size (24GiB, 800MB), "
+            f"whole bytes, or a percentage of the device's memory (90%)"
+        ) from None
     model, args, kwargs = load_target(ns.target)
     if ns.device is not None:
         model.to(ns.device)
     found = fit(
         model,
         lambda b: scale_batch(args, kwargs, b, ns.batch_dim),
-        device_memory=parse_budget_arg(ns.device_memory),
+        device_memory=device_memory,
         optimizer=None if ns.optimizer == "none" else ns.optimizer,
         objective=ns.objective,
         max_batch=ns.max_batch,
