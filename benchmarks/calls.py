@@ -26,7 +26,6 @@ and whether one step's loss and gradients equal the unwrapped model's (dropout o
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run
 from autoremat import profile, wrap
 from autoremat.comparison import Applied, Row, Strategy, budget, compare, no_recompute
+from report import dicts_to_csv
 from zoo import REPEATED
 
 TARGET = 1.10  # budget min's peak over the better hand row's, at most
@@ -132,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows = [row for name in ns.models.split(",") for row in rows_for(name, ns.repeats)]
     out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "calls.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    dicts_to_csv(rows, out / "calls.csv")
     text = markdown(rows, run.machine_line(time.perf_counter() - start, ns.repeats))
     (out / "calls.md").write_text(text)
     print(text)

@@ -23,7 +23,6 @@ to ``--out``.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run
 from autoremat.comparison import Strategy, budget, compare, no_recompute
 from autoremat.examples import TinyGPT, seeded
+from report import dicts_to_csv
 from zoo import SEQ, VOCAB, ZOO
 
 MODELS = ("gpt2", "gpt-torch", "llama", "vit")
@@ -111,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
     out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "depth.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    dicts_to_csv(rows, out / "depth.csv")
 
     def fmt(x: Any, spec: str) -> str:
         return "n/a" if x is None else format(x, spec)

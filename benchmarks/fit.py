@@ -26,7 +26,6 @@ device. Writes ``fit.md`` and ``fit.csv`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ from autoremat.examples import EXAMPLES
 from autoremat.memory import LiveMemory
 from autoremat.nested import tensor_bytes
 from autoremat.step import train_step
+from report import dicts_to_csv
 
 # model -> the device sizes tried
 DEVICES = {
@@ -223,11 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} {device} {method}", file=sys.stderr, flush=True)
                 rows.append(one(name, device, method, ns.steps))
     out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "fit.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    dicts_to_csv(rows, out / "fit.csv")
     detail = "accelerate " + ("installed" if len(methods()) == 4 else "not installed")
     text = markdown(rows, run.machine_line(time.perf_counter() - begin, detail=detail))
     (out / "fit.md").write_text(text)

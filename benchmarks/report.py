@@ -19,7 +19,7 @@ from typing import Any
 
 from autoremat.comparison import Row
 
-__all__ = ["CSV_FIELDS", "from_csv", "plot", "to_csv"]
+__all__ = ["CSV_FIELDS", "dicts_to_csv", "from_csv", "plot", "to_csv"]
 
 # one CSV column per Row field, less the plan (an object, not a figure)
 CSV_FIELDS = tuple(f.name for f in dataclasses.fields(Row) if f.name != "plan")
@@ -37,6 +37,16 @@ def to_csv(rows: Sequence[Row], path: str | Path) -> None:
         for row in rows:
             values = {name: getattr(row, name) for name in CSV_FIELDS}
             writer.writerow({k: "" if v is None else v for k, v in values.items()})
+
+
+def dicts_to_csv(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
+    """Write rows of figures (dicts with the same keys, in order) to a CSV file, one column per
+    key; the folder is made if missing."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def from_csv(path: str | Path) -> list[Row]:
