@@ -16,7 +16,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from autoremat.examples import ConvNet, Example, TinyGPT, UNet, require_transformers, seeded
+from autoremat.examples import (
+    ConvNet,
+    Example,
+    TinyGPT,
+    UNet,
+    hf_albert,
+    require_transformers,
+    seeded,
+)
 from autoremat.repeated import CellRNN, LoopedTransformer, TwoTower
 
 SEQ = 256  # tokens per sequence for the language models
@@ -131,23 +139,11 @@ ZOO: dict[str, Callable[[], Example]] = {
 }
 
 
-@seeded
 def albert(layers: int = 6) -> Example:
     """Hugging Face AlbertForMaskedLM: one shared layer applied at each of ``layers`` depths,
     width 256, 4 heads, batch 4 x 48 tokens (Hugging Face's gradient checkpointing does not
-    support it)."""
-    t = require_transformers()
-    config = t.AlbertConfig(
-        vocab_size=VOCAB,
-        embedding_size=128,
-        hidden_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        intermediate_size=1024,
-        max_position_embeddings=64,
-    )
-    ids = torch.randint(0, VOCAB, (4, 48))
-    return t.AlbertForMaskedLM(config), (), {"input_ids": ids, "labels": ids}
+    support it): :func:`autoremat.examples.hf_albert` at the zoo's width and vocabulary."""
+    return hf_albert(layers, width=256, vocab=VOCAB)
 
 
 @seeded

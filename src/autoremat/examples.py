@@ -308,21 +308,22 @@ def hf_vit() -> Example:
 
 
 @seeded
-def hf_albert(layers: int = 6) -> Example:
+def hf_albert(layers: int = 6, width: int = 128, vocab: int = 1000) -> Example:
     """Hugging Face AlbertForMaskedLM: one shared layer applied at each of 6 depths, width
     128, batch 4 x 48, labels given (Hugging Face's own gradient checkpointing does not
-    support it)."""
+    support it). Other sizes: ``layers``, ``width`` (embeddings half, MLP four times it),
+    ``vocab``."""
     t = require_transformers()
     config = t.AlbertConfig(
-        vocab_size=1000,
-        embedding_size=64,
-        hidden_size=128,
+        vocab_size=vocab,
+        embedding_size=width // 2,
+        hidden_size=width,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        intermediate_size=512,
+        intermediate_size=4 * width,
         max_position_embeddings=64,
     )
-    ids = torch.randint(0, 1000, (4, 48))
+    ids = torch.randint(0, vocab, (4, 48))
     return t.AlbertForMaskedLM(config), (), {"input_ids": ids, "labels": ids}
 
 
