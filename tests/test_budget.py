@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -119,11 +120,44 @@ def options_of(root: Item) -> dict[str, tuple[Item, frozenset[str]]]:
     return found
 
 
+def recasts_st(start: int, end: int) -> st.SearchStrategy[tuple[Any, Any]]:
+    """Casts a recompute makes again (:attr:`Item.recasts`: bytes, holders among the nodes
+    that ended before it began) and its backward's moments (points in its span, bytes, the
+    groups live then)."""
+    groups = st.lists(
+        st.tuples(
+            st.integers(1, 30),
+            st.lists(st.integers(0, max(start - 1, 0)), max_size=3 if start else 0).map(
+                lambda h: tuple(sorted(set(h)))
+            ),
+        ),
+        max_size=3,
+    ).map(tuple)
+    return groups.flatmap(
+        lambda g: st.tuples(
+            st.just(g),
+            st.lists(
+                st.tuples(
+                    st.integers(start, end),
+                    st.integers(0, MAX_BYTES),
+                    st.lists(st.integers(0, len(g) - 1), max_size=len(g)).map(
+                        lambda a: tuple(sorted(set(a)))
+                    )
+                    if g
+                    else st.just(()),
+                ),
+                max_size=3 if g else 0,
+            ).map(tuple),
+        )
+    )
+
+
 @st.composite
-def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
+def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False) -> Case:
     """A random tree numbered in execution order: ends in post-order (children before their
     parent, siblings in order); a node's start is the number of nodes that ended before it
-    began, i.e. the end of the first leaf of its subtree."""
+    began, i.e. the end of the first leaf of its subtree. With ``recast``, items have
+    :attr:`Item.recasts`."""
     n = draw(st.integers(1, max_nodes))
     # every item priced by measured seconds (as plan's objective="time" makes them), or none
     timed = draw(st.booleans())
@@ -150,6 +184,7 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
             runs = tuple(
                 (a, b, draw(freed_st), draw(flops_st), draw(peak_st)) for a, b in sorted(picked)
             )
+        groups, moments = draw(recasts_st(start, end)) if recast else ((), ())
         options = tuple(
             Item(
                 path=f"n{i}",
@@ -163,6 +198,8 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
                 held_from=draw(steps_st(start, end)),
                 way=mode,
                 seconds=seconds(),
+                recasts=groups,
+                recast_moments=moments,
             )
             for mode in draw(st.sampled_from([(), ("selective",), ("selective", "selective-bmm")]))
         )
@@ -181,6 +218,8 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
             held_from=draw(steps_st(start, end)),
             other_ways=options,
             seconds=seconds(),
+            recasts=groups,
+            recast_moments=moments,
         )
 
     root = build(0)
@@ -312,6 +351,63 @@ def test_a_thinned_frontier_never_loses_feasibility(case: Case, budget: int, sta
     assert_valid(case, chosen)
     assert predict_peak(case.points, chosen, case.forward) <= budget
     assert cost(chosen) >= best - 1e-9  # type: ignore[operator]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(recast=True), budget=budget_st)
+def test_with_recasts_the_answer_fits_and_no_fit_is_missed_that_counting_every_recast_finds(
+    case: Case, budget: int
+) -> None:
+    """Recasts (autocast's weight casts a recompute makes again) depend on what else is
+    chosen; the walk checks them per state. (a) The answer is valid and fits under
+    :func:`predict_peak`, which counts them; (b) whenever some set fits even with every recast
+    counted, ``solve`` finds an answer, no dearer than the cheapest such set; (c) Infeasible
+    whenever no set fits without any recast either."""
+    table = brute_force(case)
+    try:
+        chosen = solve(case.root, case.points, budget, case.forward)
+    except Infeasible:
+        assert optimum(_every_recast_table(case), budget) is None
+        return
+    assert_valid(case, chosen)
+    assert predict_peak(case.points, chosen, case.forward) <= budget
+    assert optimum(table, budget) is not None
+    pessimistic = optimum(_every_recast_table(case), budget)
+    if pessimistic is not None:
+        assert cost(chosen) <= pessimistic + 1e-9
+
+
+def _every_recast_table(case: Case) -> list[tuple[int, float, tuple[Item, ...]]]:
+    """:func:`brute_force` with every recast counting (as if no holder were recomputed)."""
+
+    def counted(item: Item) -> Item:
+        return dataclasses.replace(item, recasts=tuple((b, ()) for b, _ in item.recasts))
+
+    return [
+        (predict_peak(case.points, [counted(i) for i in s], case.forward), cost(s), s)
+        for s in valid_sets(case)
+    ]
+
+
+def test_a_recast_counts_unless_every_holder_is_recomputed() -> None:
+    """A recompute's recast counts at its peak and in its backward's moments while a holder
+    is not recomputed; once every holder is, it does not; and the solver sees it."""
+    first = Item("first", start=0, end=0, freed=1, flops=1)
+    second = Item("second", start=1, end=1, freed=1, flops=1)
+    late = Item(
+        "late", start=2, end=2, freed=50, flops=1, recompute_peak=70,
+        recasts=((20, (0, 1)), (5, ())), recast_moments=((2, 60, (0,)), (2, 90, (1,))),
+    )  # fmt: skip
+    root = Item("r", start=0, end=3, freed=0, flops=0, children=(first, second, late))
+    points = ((3, 100),)
+    assert predict_peak(points, [late]) == max(100 - 50, 70 + 25, 60 + 20, 90 + 5)
+    assert predict_peak(points, [first, late]) == 95 - 1  # "second" still holds the first copy
+    assert predict_peak(points, [first, second, late]) == max(70 + 5, 60, 90 + 5) - 2
+    assert solve(root, points, 95) == [late]
+    assert predict_peak(points, solve(root, points, 94)) == 94
+    assert solve(root, points, 93) == [first, second, late]
+    with pytest.raises(Infeasible):
+        solve(root, points, 92)
 
 
 # --------------------------------------------------------------------------------------------

@@ -98,6 +98,8 @@ class _Builder:
             held_from=cost.held_from,
             other_ways=self.other_ways(node, cost),
             seconds=self.timed(cost, FULL),
+            recasts=cost.recast.groups,
+            recast_moments=cost.recast.moments,
         )
 
     def runs(self, cost: NodeCost, kids: list[Node]) -> tuple[tuple[int, int, int, int, int], ...]:
@@ -140,6 +142,8 @@ class _Builder:
                     held_from=way.held_from,
                     way=way.way,
                     seconds=self.timed(cost, way.way),
+                    recasts=cost.recast.groups,
+                    recast_moments=cost.recast.moments,
                 )
             )
         return tuple(found)

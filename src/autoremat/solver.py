@@ -16,7 +16,9 @@ Pure: it reads :class:`Item` trees and points, and knows nothing of models, prof
   activations are gone; once it starts, the recompute brings them all back, exactly as they
   were in the step without recompute, gradients and all. The recompute itself adds the point
   ``(start[s], recompute_peak[s])``: the most live bytes while it runs, temporaries included
-  (:class:`autoremat.costs.NodeCost`). At the points inside its span
+  (:class:`autoremat.costs.NodeCost`), plus its :attr:`Item.recasts` whose holders are not
+  all in ``S`` (under autocast, the weight casts it makes again while the first copies
+  live: the one term that depends on what else is chosen). At the points inside its span
   (``start[s] < p <= end[s]``), a chosen node holds more than the step without recompute (or
   fewer), and how much depends on the phase: points come in two lists, those of the forward
   pass (``forward``) and those after it.
@@ -40,7 +42,11 @@ only on the bytes freed. Bytes freed are counted up to the largest excess over t
 ``1/MAX_STATES`` of that excess, the one that freed most: no feasible answer is lost, and the
 cost may exceed the optimum by what separates states within one step (never on small trees,
 where the frontier stays below it). The work is ``O((nodes x ways + runs) x frontier)``;
-``runs`` is at most ``MAX_RUN`` per child of a Sequential.
+``runs`` is at most ``MAX_RUN`` per child of a Sequential. Recasts are not additive: when
+the walk takes an item that has some, it checks them in each state against that state's own
+choices (the holders ended before the item began, so they are decided); states are still
+merged by bytes freed and cost alone, so with recasts the answer fits but may not be the
+cheapest (a state merged away could have covered a later item's holders).
 """
 
 from __future__ import annotations
@@ -91,6 +97,12 @@ class Item:
     # the recompute's time, measured (ops and per-op overheads); None: priced from flops and
     # written bytes
     seconds: float | None = None
+    # under autocast, the weight casts its recompute makes again: (bytes, holders), more at
+    # its recompute's peak unless every holder (a node, by end) is chosen too (no holders:
+    # always); and (point, bytes, indexes into recasts): the live bytes of the step without
+    # recompute in each stretch of its backward, with the recasts still live then
+    recasts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    recast_moments: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
     def run_item(self, i: int, j: int, freed: int, flops: int, recompute_peak: int) -> Item:
         """The run ``[i:j)`` of this node's children as one item, named ``path[i:j]``; its
@@ -107,6 +119,30 @@ class Item:
             written=sum(k.written for k in kids),
             seconds=None if None in seconds else sum(seconds),  # type: ignore[arg-type]
         )
+
+    def recast_with(self, chosen: Sequence[Item]) -> tuple[int, list[tuple[int, int]]]:
+        """When ``chosen`` (never one inside another) are recomputed, the bytes of
+        :attr:`recasts` its recompute adds (those without holders or with a holder no chosen
+        item covers), and its backward's moments ``(point, bytes)`` with them."""
+        spans = sorted((c.end, c.start) for c in chosen)
+        ends = [e for e, _ in spans]
+
+        def covered(h: int) -> bool:  # the first chosen item ending at or after h covers it?
+            k = bisect.bisect_left(ends, h)
+            return k < len(spans) and spans[k][1] <= h
+
+        counted = [
+            not holders or not all(covered(h) for h in holders) for _, holders in self.recasts
+        ]
+        moments = [
+            (p, b + sum(self.recasts[g][0] for g in alive if counted[g]) + self._inside(p))
+            for p, b, alive in self.recast_moments
+        ]
+        extra = sum(size for (size, _), count in zip(self.recasts, counted, strict=True) if count)
+        return extra, moments
+
+    def _inside(self, point: int) -> int:
+        return self.held_in_backward if point > self.start else 0
 
     def held_at(self, point: int) -> int:
         """The bytes more than the step without recompute live at ``point``, inside the span,
@@ -170,14 +206,18 @@ def predict_peak(
     ``forward`` are the points of the forward pass, where a chosen node part-way through its
     own forward holds :meth:`Item.held_at` bytes more; ``points`` the others (at those inside
     its span it holds :attr:`Item.held_in_backward` more). Points given only in ``points``
-    are priced as the latter, an upper bound."""
+    are priced as the latter, an upper bound. A chosen item's :attr:`Item.recasts` count at
+    its recompute and at the moments of its backward while they live
+    (:meth:`Item.recast_with`)."""
+    recast = {id(s): s.recast_with(chosen) for s in chosen}
     moments = [
         *(
             (p, b + sum(s.held_in_backward for s in chosen if s.start < p <= s.end))
             for p, b in points
         ),
         *((p, b + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)) for p, b in forward),
-        *((s.start, s.recompute_peak) for s in chosen),
+        *((s.start, s.recompute_peak + recast[id(s)][0]) for s in chosen),
+        *(m for s in chosen for m in recast[id(s)][1]),
     ]
     if not moments:
         return 0
@@ -221,7 +261,8 @@ def solve(
     forward: Sequence[tuple[int, int]] = (),
 ) -> list[Item]:
     """The cheapest set of nodes under ``root`` whose predicted peak (:func:`predict_peak`,
-    with the same ``points`` and ``forward``) is at most ``budget``.
+    with the same ``points`` and ``forward``) is at most ``budget`` (module docstring; with
+    :attr:`~Item.recasts`, a set that fits, not always the cheapest).
 
     Raises:
         Infeasible: no set fits; :func:`min_peak` gives the lowest reachable peak.
@@ -232,12 +273,23 @@ def solve(
     if not states:
         raise Infeasible(f"no recompute plan has a predicted peak <= {budget} bytes")
     best = min(states, key=lambda s: s[1])
+    return sorted(_chosen(best), key=lambda i: i.end)
+
+
+def _chosen(state: _State) -> list[Item]:
+    """The items of ``state``'s chosen list, last chosen first."""
     chosen: list[Item] = []
-    link = best[3]
+    link = state[3]
     while link is not None:
         chosen.append(link[0])
         link = link[1]
-    return sorted(chosen, key=lambda i: i.end)
+    return chosen
+
+
+def _highest(item: Item) -> int:
+    """The most live bytes ``item``'s recompute and backward can reach, every recast counted."""
+    extra, moments = item.recast_with(())
+    return max([item.recompute_peak + extra, *(b for _, b in moments)])
 
 
 class _Solver:
@@ -265,7 +317,7 @@ class _Solver:
         self.cap = max(
             0,
             max(self.need) - budget,
-            *(w.recompute_peak - budget for i in root.walk() for w in (i, *i.other_ways)),
+            *(_highest(w) - budget for i in root.walk() for w in (i, *i.other_ways)),
         )
         self.grid = max(1, -(-self.cap // MAX_STATES))
         self.counter = itertools.count()
@@ -294,6 +346,8 @@ class _Solver:
         else:  # the same in both phases (the common case, kept fast)
             worst = max(self.need[item.start + 1 : item.end + 1], default=-item.held) + item.held
         fits = self.feasible(states, max(worst, item.recompute_peak))
+        if item.recasts:
+            fits = [s for s in fits if self.recasts_fit(item, s)]
         # those that reach the cap become equal: keep the cheapest (the last) of them
         cap = self.cap
         capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
@@ -303,6 +357,13 @@ class _Solver:
             (-(f if (f := freed - s[0]) < cap else cap), s[1] + cost, k, (link, s[3]))
             for s, k in zip(fits, self.counter, strict=False)
         ]
+
+    def recasts_fit(self, item: Item, state: _State) -> bool:
+        """Whether ``item``'s recompute and backward fit with the recasts ``state``'s choices
+        leave (its holders end before it begins: what covers them is chosen already)."""
+        extra, moments = item.recast_with(_chosen(state))
+        room = self.budget - state[0]  # the budget plus what was freed before the item
+        return item.recompute_peak + extra <= room and all(b <= room for _, b in moments)
 
     def run(self, item: Item, states: list[_State]) -> list[_State]:
         """The states after ``item``'s span: it recomputed whole (any way), a run of its

@@ -13,6 +13,9 @@ the reasoning and the measured error; in short, for a node checkpointed:
 * **recompute peak**: the live bytes when backward first uses what it saved, less what it
   freed, plus the most its forward had added since it began, up to its last save (where
   checkpoint's early stop ends the recompute): :func:`recompute_peak`;
+* **recast**: under autocast, the weights a node's forward found cast by an earlier node
+  (autocast's cast cache), which its recompute, in an autocast region of its own, casts
+  again: :func:`recasts`;
 * **runs** of consecutive children of a plain ``nn.Sequential``, priced as one node:
   :func:`runs`.
 """
@@ -32,13 +35,17 @@ from autoremat.tree import Node
 
 __all__ = [
     "MAX_RUN",
+    "Recast",
     "Run",
+    "cast_reads_within",
     "freed_bytes",
     "held_from",
     "kept_cost",
     "lowest_common",
+    "recasts",
     "recompute_peak",
     "released",
+    "run_recast",
     "runs",
 ]
 
@@ -46,6 +53,23 @@ MAX_RUN = 64  # longest run of Sequential children considered as one recompute
 
 Steps = tuple[tuple[int, int], ...]
 Storages = dict[int, tuple[int, int]]  # kept output id -> (storage key, bytes)
+Reads = dict[int, tuple[int, str]]  # cast storage key -> (bytes, the node that made it)
+
+
+Groups = tuple[tuple[int, tuple[int, ...]], ...]
+Moments = tuple[tuple[int, int, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Recast:
+    """What a recompute of a node casts again (:func:`recasts`). ``groups``: ``(bytes,
+    holders)``, bytes more at its recompute's peak unless every holder (a node, by its
+    ``end``) is recomputed too; none: whatever else is. ``moments``: ``(point, bytes,
+    groups)``, the live bytes of the step without recompute in each stretch of the node's
+    backward, and the groups still live then (each until the backward has used it)."""
+
+    groups: Groups = ()
+    moments: Moments = ()
 
 
 @dataclass(frozen=True)
@@ -193,6 +217,85 @@ def recompute_peak(rec: Recording, line: Timeline, path: str, freed: int, kept: 
         b - began - before[bisect.bisect_left(borns, i)] for i, b in [*moments, (stop, high)]
     )
     return line.backward_now[path] - freed + most
+
+
+def cast_reads_within(rec: Recording) -> dict[str, Reads]:
+    """For each node, the casts (:attr:`Recording.casts`) that ops inside its subtree read and
+    a node outside it made."""
+    parent = rec.family[0]
+    found: dict[str, Reads] = defaultdict(dict)
+    for reader, reads in rec.cast_reads.items():
+        for key, (size, maker) in reads.items():
+            node: str | None = reader
+            while node is not None and not rec.within(maker, node):
+                found[node][key] = (size, maker)
+                node = parent[node]
+    return found
+
+
+def recasts(rec: Recording, line: Timeline, reads: dict[str, Reads]) -> dict[str, Recast]:
+    """What each node's recompute casts again, beyond what the step without recompute holds.
+
+    Autocast casts a weight once per forward (its cast cache) and the first node to use it
+    makes the copy; a recompute runs in an autocast region of its own, so a node that read
+    a copy made outside it (``reads``, :func:`cast_reads_within`) makes its own, live from
+    then until its backward has used it. The step without recompute holds the first copy
+    then while a node that saved it and ended before this node began (a *holder*; its
+    backward comes later) or one inside it has what it saved: the new copy costs its bytes
+    more unless every holder is recomputed too (then the first copy is gone), and always when
+    neither kind of saver exists.
+    """
+    found = {}
+    for node, keys in reads.items():
+        began = line.spans[node][0]
+        groups: dict[tuple[int, ...], int] = defaultdict(int)
+        group_of: dict[int, tuple[int, ...]] = {}
+        for key, (size, _) in keys.items():
+            savers = rec.savers.get(key, (0, set()))[1]
+            ends = [line.spans[s][1] for s in savers if s in line.spans]
+            holders = tuple(sorted(e for e in ends if e < began))
+            if holders or not any(rec.within(s, node) for s in savers):
+                groups[holders] += size
+                group_of[key] = holders
+        order = list(groups)
+        index = {key: order.index(h) for key, h in group_of.items()}
+        found[node] = Recast(
+            tuple((groups[h], h) for h in order), _recast_moments(rec, line, node, index)
+        )
+    return found
+
+
+def _recast_moments(rec: Recording, line: Timeline, node: str, group: dict[int, int]) -> Moments:
+    """The stretches of ``node``'s backward while the copies its recompute cast again live
+    (:class:`Recast` ``moments``): from when backward first used what it saved until the
+    last grad_fn that used one of them has run (then it lets them go)."""
+    first = rec.unpack_events.get(node)
+    used: dict[int, int] = {}  # cast key -> the event ending the last stretch that held it
+    for (saver, key), i in rec.cast_unpacks.items():
+        if key in group and rec.within(saver, node):
+            used[key] = max(used.get(key, i), i)
+    if first is None or not used:
+        return ()
+    last = min(max(used.values()), len(rec.events) - 1)
+    return tuple(
+        (
+            line.point_at[j],
+            rec.events[j][2],
+            tuple(sorted({group[k] for k, i in used.items() if i >= j})),
+        )
+        for j in range(first + 1, last + 1)
+    )
+
+
+def run_recast(rec: Recording, reads: dict[str, Reads], paths: list[str]) -> int:
+    """The bytes a recompute of the nodes ``paths`` as one (a run) may cast again: the casts
+    read inside them that none of them made (counted whatever else is recomputed)."""
+    keys: Reads = {}
+    for path in paths:
+        keys.update(reads.get(path, {}))
+    return sum(
+        size for size, maker in keys.values() if not any(rec.within(maker, p) for p in paths)
+    )
 
 
 def _chained_children(node: Node, line: Timeline) -> bool:

@@ -36,8 +36,9 @@ checkpointed module saves nothing to see.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from torch import nn
 
 from autoremat.classes import is_wrapped
 from autoremat.costs import model as cost_model
-from autoremat.costs.model import Run, Storages
+from autoremat.costs.model import Recast, Run, Storages
 from autoremat.costs.recording import Recording, record_step
 from autoremat.costs.timeline import Timeline, timeline
 from autoremat.costs.timing import DEFAULT_OVERHEADS, overheads, time_forward
@@ -123,6 +124,11 @@ class NodeCost:
     recompute positive for each kept output nothing saves, from the point it was made.
     ``ways`` has these figures for every selective way of :data:`autoremat.selective.WAYS`.
     ``ops`` is the number of op calls of the node's forward and ``op_seconds`` their time.
+    ``recast``: under autocast, the weights its forward found cast by an earlier node, which
+    its recompute casts again and holds until its backward ends
+    (:func:`autoremat.costs.model.recasts`), in any way: ``recast.always`` bytes whatever
+    else is recomputed, ``recast.unless`` unless the nodes holding the first copies are
+    recomputed too (the planner works that out from the plan); not in ``recompute_peak``.
     """
 
     path: str
@@ -146,6 +152,7 @@ class NodeCost:
     ops: int = 0
     op_seconds: float = 0.0
     ways: tuple[WayCost, ...] = ()
+    recast: Recast = field(default_factory=Recast)
 
     def way(self, name: str) -> WayCost:
         """The selective way called ``name``; ``KeyError`` naming the ways if none."""
@@ -349,8 +356,23 @@ class _Assembly:
         self.freed, self.charged = cost_model.freed_bytes(rec)
         ends = {path: end for path, (_, end) in line.spans.items()}
         self.released = cost_model.released(rec, ends)
-        self.runs = cost_model.runs(rec, line)
+        self.reads = cost_model.cast_reads_within(rec)
+        self.recasts = cost_model.recasts(rec, line, self.reads)
+        self.runs = {
+            path: tuple(
+                self._recast_run([c.path for c in rec.tree.find(path).children], r) for r in found
+            )
+            for path, found in cost_model.runs(rec, line).items()
+        }
         self.found: dict[str, NodeCost] = {}
+
+    def _recast_run(self, kids: list[str], run: Run) -> Run:
+        """``run`` of children ``kids`` with its peak counting the casts its recompute makes
+        again."""
+        if not run.recompute_peak:  # its backward never ran
+            return run
+        extra = cost_model.run_recast(self.rec, self.reads, kids[run.i : run.j])
+        return dataclasses.replace(run, recompute_peak=run.recompute_peak + extra)
 
     def costs(self) -> dict[str, NodeCost]:
         self.total(self.rec.tree)
@@ -398,6 +420,7 @@ class _Assembly:
             ops=own.ops + sum(k.ops for k in kids),
             op_seconds=seconds,
             ways=ways,
+            recast=self.recasts.get(path, Recast()),
         )
         return kept
 

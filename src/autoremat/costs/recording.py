@@ -37,7 +37,8 @@ from autoremat.tree import Node, tensor_infos
 __all__ = ["Event", "Kept", "OpCosts", "OwnOps", "Recording", "lineage", "record_step"]
 
 # (kind, path, peak since the previous event, live bytes now); kind is "start" or "end" of a
-# module's forward, "backward" when its backward began, "loss" when the forward ended, "done"
+# module's forward, "backward" when its backward began, "unpack" when backward first used what
+# it saved (or had used a cast it saved), "loss" when the forward ended, "done"
 Event = tuple[str, str, int, int]
 
 
@@ -90,6 +91,19 @@ class Recording:
     # kept output ids that an op changed in place after they were made (selective
     # checkpointing refuses such a cached tensor in the recompute)
     changed: set[int] = field(default_factory=set)
+    # copies of a parameter, buffer or input in another dtype or device (autocast's cast of a
+    # weight): storage key -> (bytes, the node whose op made it); and node -> those of such
+    # copies its own ops read that another node made (autocast's cast cache handed them over;
+    # a recompute, in an autocast region of its own, casts them again)
+    casts: dict[int, tuple[int, str]] = field(default_factory=dict)
+    cast_reads: dict[str, dict[int, tuple[int, str]]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )
+    # the index of the "unpack" event marked when backward first used what a node saved; and
+    # for each cast a node saved, the event that ends the last stretch of backward in which
+    # its grad_fns held it: (node, storage key) -> event index
+    unpack_events: dict[str, int] = field(default_factory=dict)
+    cast_unpacks: dict[tuple[str, int], int] = field(default_factory=dict)
 
     @functools.cached_property
     def family(self) -> tuple[dict[str, str | None], dict[str, int]]:
@@ -112,11 +126,20 @@ class OpCosts(TorchDispatchMode):
     the new storages it wrote to the running module, and apart, for each way of selective
     recompute, those of the ops whose outputs it keeps."""
 
-    def __init__(self, stack: list[str], own: dict[str, OwnOps], clock: Callable[[], int]):
+    def __init__(
+        self,
+        stack: list[str],
+        own: dict[str, OwnOps],
+        clock: Callable[[], int],
+        preexisting: frozenset[int] = frozenset(),
+    ) -> None:
         super().__init__()
         self.stack = stack
         self.own = own
         self.clock = clock
+        self.preexisting = preexisting  # storage keys of parameters, buffers and inputs
+        self.casts: dict[int, tuple[int, str]] = {}  # as Recording.casts
+        self.cast_reads: dict[str, dict[int, tuple[int, str]]] = defaultdict(dict)
         self.born: dict[int, int] = {}  # kept output id -> the clock when it was made
         self.changed: set[int] = set()  # kept output ids changed in place after
         self.counting = True
@@ -143,12 +166,25 @@ class OpCosts(TorchDispatchMode):
             if key is not None and key not in seen:
                 new[key] = t.untyped_storage().nbytes()
                 self.current.pop(key, None)
+                self.casts.pop(key, None)
+        self._casts(func, seen, new)
         written = sum(new.values())
         own.flops += flops
         own.written += written
         own.ops += 1
         self._keep(func, args, kwargs, own, flops, written, new)
         return out
+
+    def _casts(self, func: Any, seen: set[int | None], new: dict[int, int]) -> None:
+        """Note the copies ``func`` made of a parameter, buffer or input (``_to_copy``, as
+        autocast casts a weight), and the copies another node made that it reads."""
+        here = self.stack[-1]
+        for key in seen:
+            made = self.casts.get(key)  # type: ignore[arg-type]
+            if made is not None and made[1] != here:
+                self.cast_reads[here][key] = made  # type: ignore[index]
+        if func is torch.ops.aten._to_copy.default and not self.preexisting.isdisjoint(seen):
+            self.casts.update((key, (size, here)) for key, size in new.items())
 
     def _changes(self, func: Any, args: Any, kwargs: Any) -> None:
         """Note the kept outputs that ``func`` writes to in place (``add_``, ``out=``)."""
@@ -200,18 +236,33 @@ class _Recorder:
         self.calls: dict[str, Node] = {}
         self.modules = {id(n.module): n for n in tree.walk()}
         self.count: dict[int, int] = defaultdict(int)
-        self.preexisting = {
-            storage_key(t) for t in [*model.parameters(), *model.buffers(), *inputs]
-        }
+        self.preexisting = frozenset(
+            key
+            for t in [*model.parameters(), *model.buffers(), *inputs]
+            if (key := storage_key(t)) is not None
+        )
         self.grad_hooks: list[Any] = []
         self.progress = Progress("profiling", sum(n.calls for n in tree.walk()), "module calls")
         self.rec = Recording(
-            tree, [], defaultdict(int), defaultdict(OwnOps), {}, defaultdict(dict),
-            defaultdict(set), defaultdict(set), {}, {}, {},
-        )  # fmt: skip
-        self.costs = OpCosts(self.stack, self.rec.own_ops, clock=lambda: len(self.rec.events))
+            tree=tree,
+            events=[],
+            own_saved=defaultdict(int),
+            own_ops=defaultdict(OwnOps),
+            savers={},
+            input_keys=defaultdict(dict),
+            output_keys=defaultdict(set),
+            kept_savers=defaultdict(set),
+            born={},
+            last_save={},
+            unpacked={},
+        )
+        self.costs = OpCosts(
+            self.stack, self.rec.own_ops, lambda: len(self.rec.events), self.preexisting
+        )
         self.rec.born = self.costs.born
         self.rec.changed = self.costs.changed
+        self.rec.casts = self.costs.casts
+        self.rec.cast_reads = self.costs.cast_reads
 
     def mark(self, kind: str, path: str) -> None:
         self.rec.events.append((kind, path, self.memory.peak, self.memory.current))
@@ -237,11 +288,33 @@ class _Recorder:
         return here, t
 
     def unpack(self, packed: tuple[str, torch.Tensor]) -> torch.Tensor:
-        path: str | None = packed[0]
-        while path is not None and path not in self.rec.unpacked:
-            self.rec.unpacked[path] = (len(self.rec.unpacked), self.memory.current)
-            path = self.parent.get(path)
+        rec, path = self.rec, packed[0]
+        if path not in rec.unpacked:
+            self.mark("unpack", path)
+        here: str | None = path
+        while here is not None and here not in rec.unpacked:
+            rec.unpacked[here] = (len(rec.unpacked), self.memory.current)
+            rec.unpack_events[here] = len(rec.events) - 1
+            here = self.parent.get(here)
+        key = storage_key(packed[1])
+        if key in self.costs.casts:
+            self._cast_used(path, key)
         return packed[1]
+
+    def _cast_used(self, path: str, key: int) -> None:
+        """Backward's grad_fn of ``path`` uses the cast ``key``: mark when it has run (it lets
+        what it saved go then), in :attr:`Recording.cast_unpacks`."""
+        node = torch._C._current_autograd_node()
+        if node is None:  # not in a grad_fn: the stretch that begins now holds it
+            self.mark("unpack", path)
+            self.rec.cast_unpacks[path, key] = len(self.rec.events)
+            return
+
+        def ran(_grad_inputs: Any, _grad_outputs: Any) -> None:
+            self.mark("unpack", path)
+            self.rec.cast_unpacks[path, key] = len(self.rec.events) - 1
+
+        node.register_hook(ran)
 
     def enter(self, module: nn.Module, a: Any, kw: Any) -> None:
         node = self.modules[id(module)]
@@ -306,8 +379,15 @@ def _name_calls(rec: Recording, names: dict[str, str]) -> Recording:
         return out
 
     rec.events = [(kind, names.get(p, p), peak, now) for kind, p, peak, now in rec.events]
-    for name in ("own_saved", "own_ops", "input_keys", "output_keys", "last_save", "unpacked"):
+    for name in (
+        "own_saved", "own_ops", "input_keys", "output_keys", "last_save", "unpacked", "cast_reads"
+    ):  # fmt: skip
         setattr(rec, name, rekey(getattr(rec, name)))
+    rec.casts = {k: (size, names.get(p, p)) for k, (size, p) in rec.casts.items()}
+    rec.unpack_events = {names.get(p, p): i for p, i in rec.unpack_events.items()}
+    rec.cast_unpacks = {(names.get(p, p), k): i for (p, k), i in rec.cast_unpacks.items()}
+    for reads in rec.cast_reads.values():
+        reads.update((k, (size, names.get(p, p))) for k, (size, p) in reads.items())
     rec.savers = {
         k: (size, {names.get(p, p) for p in who}) for k, (size, who) in rec.savers.items()
     }
@@ -339,9 +419,10 @@ def record_step(
         handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))
         handles.append(m.register_forward_hook(rec.leave, with_kwargs=True))
     cache_off = contextlib.nullcontext() if meta else cache_off_in_training(model)
+    saved = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
     try:
-        with preserved(model, leaf_inputs(args, kwargs)), cache_off, rec.memory, rec.costs:
-            with torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+        with preserved(model, leaf_inputs(args, kwargs)), cache_off:
+            with rec.memory, rec.costs, saved:
                 train_step(
                     model, args, kwargs, loss_fn, after_forward=rec.after_forward, autocast=autocast
                 )

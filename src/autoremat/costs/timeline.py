@@ -33,6 +33,7 @@ class Timeline:
     events: dict[str, tuple[int, int]]
     backward_now: dict[str, int]
     ended_before: list[int]
+    point_at: tuple[int, ...] = ()
 
 
 def timeline(tree: Node, events: list[Event], unpacked: dict[str, int]) -> Timeline:
@@ -53,7 +54,7 @@ def timeline(tree: Node, events: list[Event], unpacked: dict[str, int]) -> Timel
         for n in tree.walk()
         if n.path in last_end
     }
-    forward, backward, backward_now = _points(events, index, ended_before, unpacked)
+    forward, backward, backward_now, point_at = _points(events, index, ended_before, unpacked)
     return Timeline(
         spans=spans,
         forward_points=forward,
@@ -61,6 +62,7 @@ def timeline(tree: Node, events: list[Event], unpacked: dict[str, int]) -> Timel
         events={path: (first_start[path], last_end[path]) for path in last_end},
         backward_now=backward_now,
         ended_before=ended_before,
+        point_at=point_at,
     )
 
 
@@ -77,17 +79,19 @@ def _ended_before(ends: list[int], count: int) -> list[int]:
 
 def _points(
     events: list[Event], index: dict[str, int], ended_before: list[int], unpacked: dict[str, int]
-) -> tuple[Points, Points, dict[str, int]]:
-    """The most live bytes at each point, in the forward and after it; and the live bytes when
-    each node's recompute would begin."""
+) -> tuple[Points, Points, dict[str, int], tuple[int, ...]]:
+    """The most live bytes at each point, in the forward and after it; the live bytes when
+    each node's recompute would begin; and the point of each event's interval."""
     loss_at = next(i for i, e in enumerate(events) if e[0] == "loss")
     peaks: tuple[dict[int, int], dict[int, int]] = ({}, {})
     backward_now: dict[str, int] = {}
     started = [False] * len(index)
     prefix = len(index)  # nodes 0..prefix-1 have all not begun their backward
+    point_at = []
     for i, (kind, path, peak, now) in enumerate(events):
         # the peak was reached in the interval that ends with event i
         p = ended_before[i] if i <= loss_at else prefix
+        point_at.append(p)
         phase = peaks[0 if i <= loss_at else 1]
         phase[p] = max(phase.get(p, 0), peak)
         if kind == "backward" and path in index and not started[index[path]]:
@@ -95,4 +99,4 @@ def _points(
             prefix = min(prefix, index[path])
             backward_now[path] = unpacked.get(path, now)
     forward, backward = (tuple(sorted(phase.items())) for phase in peaks)
-    return forward, backward, backward_now
+    return forward, backward, backward_now, tuple(point_at)
