@@ -269,6 +269,22 @@ def test_hf_cache_is_turned_off_in_training_and_kept_otherwise(caplog):
     assert model(*args, **kwargs).cache is not None  # the hook is gone
 
 
+def test_a_plan_that_recomputes_nothing_still_trains_the_step_it_was_priced_on():
+    """A budget the model meets without recompute gives a plan with no entry; applied, it
+    turns the Hugging Face cache off in training as every plan does, so the measured step is
+    the predicted one (untouched, the model's step fills its cache: 2% more)."""
+    model, args, kwargs = EXAMPLES["hf-gpt2"]()
+    untouched = autoremat.measure(copy.deepcopy(model), args, kwargs).peak
+    plan = autoremat.plan(model, args, kwargs, budget=1.0)
+    assert plan.modules == () and plan.estimated_peak is not None
+    assert untouched > plan.estimated_peak  # what the cache costs
+    plan.apply(model)
+    assert autoremat.measure(model, args, kwargs).peak == plan.estimated_peak
+    assert model(*args, **kwargs).cache is None
+    autoremat.remove(model)
+    assert model(*args, **kwargs).cache is not None
+
+
 @pytest.mark.parametrize("name", ["cnn", "hf-bert"])
 def test_build_tree_and_plan_leave_the_model_as_found(name):
     model, args, kwargs = EXAMPLES[name]()

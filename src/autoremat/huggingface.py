@@ -7,6 +7,10 @@ gradients, as Hugging Face's own gradient checkpointing does (one warning per cl
 ``autoremat`` logger); inference keeps its cache. The profile records the same cache-less step
 (:func:`cache_off_in_training`).
 
+On the ``meta`` device the cache-less path of their mask code asks whether the position ids
+are packed sequences, reading tensor values: for the time of a ``meta`` profile,
+:func:`ordinary_positions_on_meta` answers "not packed", as any ordinary batch does.
+
 The hook is found by what it is, not by a handle kept aside: on a deep copy of a hooked model
 (which carries a copy of the hook) :func:`remove_cache_hooks` finds and removes it too. A pickle
 of a hooked model (``torch.save``) leaves it out (:func:`autoremat.classes.pickle_as_plain`).
@@ -30,6 +34,7 @@ __all__ = [
     "cache_modules",
     "cache_off_in_training",
     "is_pretrained_model",
+    "ordinary_positions_on_meta",
     "remove_cache_hooks",
     "turn_cache_off_in_training",
 ]
@@ -140,6 +145,30 @@ def cache_off_in_training(model: nn.Module) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def ordinary_positions_on_meta() -> Iterator[None]:
+    """While active, Hugging Face's mask code (``transformers.masking_utils``, when imported)
+    takes position ids on the ``meta`` device for one ordinary sequence per batch row, not
+    packed sequences: the answer it reaches on real tensors for positions ``0..n-1``, which
+    it finds by reading their values (``.item()``, impossible on ``meta``). Other devices are
+    asked as before. Without it a ``meta`` profile of such a model could only run with the
+    key/value cache on (another path), and over-predicted by the cache."""
+    masks = sys.modules.get("transformers.masking_utils")
+    found = getattr(masks, "find_packed_sequence_indices", None)
+    if found is None:
+        yield
+        return
+
+    def packed(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if position_ids.device.type == "meta" else found(position_ids)
+
+    masks.find_packed_sequence_indices = packed  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        masks.find_packed_sequence_indices = found  # type: ignore[union-attr]
 
 
 def _no_cache_pre_hook(

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autoremat.entries import call_entry
-from autoremat.huggingface import cache_off_in_training
+from autoremat.huggingface import cache_off_in_training, ordinary_positions_on_meta
 from autoremat.memory import LiveMemory
 from autoremat.nested import iter_tensors, storage_key
 from autoremat.progress import Progress
@@ -410,18 +410,18 @@ def record_step(
     """Run one training step of ``model`` (see :func:`autoremat.step.train_step`) and record
     it (module docstring); ``tree`` is the module tree (:func:`autoremat.tree.build_tree`),
     the recording's tree the step's calls. Hugging Face caches are off in training, as once
-    wrapped (not on ``meta``, where the cache-less path of their mask code reads tensor
-    values). The model is left as it was found."""
+    wrapped (on ``meta`` too: :func:`~autoremat.huggingface.ordinary_positions_on_meta`).
+    The model is left as it was found."""
     inputs = [t for _, t in iter_tensors((args, kwargs))]
     rec = _Recorder(model, tree, inputs)
     handles = []
     for m in {id(n.module): n.module for n in tree.walk()}.values():
         handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))
         handles.append(m.register_forward_hook(rec.leave, with_kwargs=True))
-    cache_off = contextlib.nullcontext() if meta else cache_off_in_training(model)
+    positions = ordinary_positions_on_meta() if meta else contextlib.nullcontext()
     saved = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
     try:
-        with preserved(model, leaf_inputs(args, kwargs)), cache_off:
+        with preserved(model, leaf_inputs(args, kwargs)), cache_off_in_training(model), positions:
             with rec.memory, rec.costs, saved:
                 train_step(
                     model, args, kwargs, loss_fn, after_forward=rec.after_forward, autocast=autocast
