@@ -258,6 +258,25 @@ def test_autocast_and_device_memory_forms_are_checked_with_messages() -> None:
         shadow, lambda b: autoremat.scale_batch(args, kwargs, b), device_memory="64MiB"
     )
     assert found.batch >= 1 and found.measured is None  # nothing runs on meta
+    assert "not verified (the model is on meta, where nothing runs)" in str(found)
+    assert "(sized on meta)" in str(found)
+    with pytest.raises(ValueError, match=r"the model is on meta, which has none: give"):
+        autoremat.fit(shadow, lambda b: autoremat.scale_batch(args, kwargs, b), device_memory="90%")
+    with pytest.raises(autoremat.BudgetTooLow) as refused:
+        autoremat.plan(model, args, kwargs, budget=0.01, autocast=torch.bfloat16)
+    assert "mixed precision" not in str(refused.value)  # it is mixed precision already
+
+
+def test_a_hugging_face_models_own_step_is_predicted_with_its_cache() -> None:
+    """Without a plan, the step predicted is the model's own: a Hugging Face model fills its
+    key/value cache in training (1.4% more on GPT-2, which the prediction missed before)."""
+    pytest.importorskip("transformers")
+    model, args, kwargs = EXAMPLES["hf-gpt2"]()
+    predicted = autoremat.predict_training(model, args, kwargs, optimizer="sgd")
+    measured = autoremat.measure_training(model, args, kwargs, optimizer="sgd")
+    assert predicted.tensors == measured.tensors
+    cache_off = autoremat.profile(model, args, kwargs).peak
+    assert autoremat.profile(model, args, kwargs, hf_cache=True).peak > cache_off
 
 
 def test_the_fit_command_names_a_malformed_device_memory(capsys: Any) -> None:

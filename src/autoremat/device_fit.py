@@ -111,8 +111,8 @@ class Fit:
 
     def __str__(self) -> str:
         lines = [
-            f"batch {self.batch} fits {self.device} (objective {self.objective}; without "
-            f"recompute {self.largest_without_recompute})",
+            f"batch {self.batch} fits {self.device}; the largest without recompute: "
+            f"{self.largest_without_recompute} (objective {self.objective})",
             f"plan: {len(self.plan.modules)} entries, recompute adds "
             f"{(self.plan.recompute_flops or 0) / 1e9:.3f} GFLOP",
         ]
@@ -120,6 +120,10 @@ class Fit:
             lines += ["predicted memory:", str(self.chosen.memory)]
         if self.measured is not None:
             lines.append(f"measured: {self.measured} ({'fits' if self.fits else 'DOES NOT FIT'})")
+        elif self.device.device == "meta":
+            lines.append("measured: not verified (the model is on meta, where nothing runs)")
+        else:
+            lines.append("measured: not verified (verify=False)")
         lines.append("candidates: batch, predicted device memory, predicted samples/s")
         lines += [
             f"  {c.batch:>6}  {format_size(c.memory.device):>11}  {c.samples_per_second:>10.1f}"
@@ -368,7 +372,8 @@ def plan_for_device(
         raise BudgetTooLow(
             f"{type(model).__name__}'s training step does not fit {dm}: with the most "
             f"recompute it needs {format_size(need.device)}:\n{need}\nUse a smaller batch, "
-            f"mixed precision, an optimizer with less state, or a device with more memory",
+            f"{'' if spec else 'mixed precision, '}an optimizer with less state, or a device "
+            f"with more memory",
             lowest,
             prof.peak,
         )

@@ -69,7 +69,8 @@ class DeviceModel:
                 f" (runtime {format_size(self.runtime)}, workspace {format_size(self.workspace)}, "
                 f"allocator +{self.fragmentation:.0%} of the tensors)"
             )
-        return f"{format_size(self.total)} on {self.device}{extra}"
+        where = "(sized on meta)" if self.device == "meta" else f"on {self.device}"
+        return f"{format_size(self.total)} {where}{extra}"
 
 
 def device_total(device: torch.device) -> int:
@@ -87,7 +88,7 @@ def device_model(spec: int | float | str, device: torch.device | str = "cpu") ->
 
     Raises:
         ValueError, TypeError: a malformed or non-positive ``spec`` (the message lists the
-            forms).
+            forms), or a fraction for a model on ``meta``.
     """
     device = torch.device(device)
     try:
@@ -97,6 +98,11 @@ def device_model(spec: int | float | str, device: torch.device | str = "cpu") ->
             f"device_memory {spec!r} is not understood: give whole bytes (int), a size such as "
             f'"24GiB" or "800MB", or a fraction of the device\'s memory (0.9, "90%")'
         ) from None
+    if parsed.bytes is None and device.type == "meta":
+        raise ValueError(
+            f"device_memory {spec!r} is a fraction of the device's memory, but the model is on "
+            f'meta, which has none: give the target device\'s memory, such as "24GiB"'
+        )
     total = parsed.resolve(device_total(device) if parsed.bytes is None else 0)
     if device.type != "cuda":
         return DeviceModel(str(device), total)

@@ -120,17 +120,18 @@ def predict_training(
     """The whole training step's memory of ``model`` on these inputs with ``optimizer`` (a
     name of :data:`autoremat.optimizer_memory.OPTIMIZERS`, an optimizer to copy, a function
     from parameters to one, or ``None``): with ``plan``, its predicted step peak; without, one
-    step profiled (on ``meta`` too: a model and inputs on ``meta`` give what real ones
-    would; with ``autocast``, a dtype or ``(device_type, dtype)``, forward and loss run under
-    autocast, emulated on ``meta``: :mod:`autoremat.autocast_meta`; a plan's estimate is used
-    as it is, so make the plan with the same ``autocast``). With ``device_memory`` (as
-    :func:`autoremat.fit` takes it), ``device`` counts what the device's runtime and allocator
-    add. Nothing is changed.
+    step of the model as it is, profiled (a Hugging Face model fills its key/value cache, as
+    it does with no plan applied). On ``meta`` too: a model and inputs on ``meta`` give what
+    real ones would. With ``autocast``, a dtype or ``(device_type, dtype)``, forward and loss
+    run under autocast, emulated on ``meta`` (:mod:`autoremat.autocast_meta`); a plan's
+    estimate is used as it is, so make the plan with the same ``autocast``. With
+    ``device_memory`` (as :func:`autoremat.fit` takes it), ``device`` counts what the
+    device's runtime and allocator add. Nothing is changed.
     """
     if plan is not None and plan.estimated_peak is not None:
         peak = plan.estimated_peak
-    else:
-        peak = profile(model, args, kwargs, loss_fn=loss_fn, autocast=autocast).peak
+    else:  # the model's own step: a Hugging Face model fills its cache
+        peak = profile(model, args, kwargs, loss_fn=loss_fn, autocast=autocast, hf_cache=True).peak
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dm = None if device_memory is None else device_model(device_memory, device)
     return step_memory(model, (args, kwargs), peak, optimizer_memory(model, optimizer), dm)

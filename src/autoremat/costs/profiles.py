@@ -256,8 +256,13 @@ def profile(
     *,
     loss_fn: LossFn | None = None,
     autocast: Autocast | torch.dtype | None = None,
+    hf_cache: bool = False,
 ) -> Profile:
     """Per-node costs of ``model`` on the example inputs (see the module docstring).
+
+    Hugging Face models train without their key/value cache here, as every applied plan
+    makes them (:mod:`autoremat.huggingface`); with ``hf_cache`` they fill it, as the model
+    does in training with no plan applied.
 
     With ``autocast`` (a dtype, or ``(device_type, dtype)`` such as ``("cuda",
     torch.bfloat16)``) the step's forward and loss run under ``torch.autocast``, and on ``meta``
@@ -284,7 +289,7 @@ def profile(
         )
     autocast = autocast_spec(autocast, model) or ambient_autocast()
     with _no_ambient_autocast():
-        return _profile(model, args, kwargs, loss_fn, autocast)
+        return _profile(model, args, kwargs, loss_fn, autocast, hf_cache)
 
 
 def _no_ambient_autocast() -> Any:
@@ -297,12 +302,17 @@ def _no_ambient_autocast() -> Any:
 
 
 def _profile(
-    model: nn.Module, args: Any, kwargs: Any, loss_fn: LossFn | None, autocast: Autocast | None
+    model: nn.Module,
+    args: Any,
+    kwargs: Any,
+    loss_fn: LossFn | None,
+    autocast: Autocast | None,
+    hf_cache: bool,
 ) -> Profile:
     modules = build_tree(model, args, kwargs)
     tensors = [*(t for _, t in iter_tensors((args, kwargs))), *model.parameters()]
     meta = any(t.device.type == "meta" for t in tensors)
-    rec = record_step(model, args, kwargs, modules, loss_fn, meta, autocast)
+    rec = record_step(model, args, kwargs, modules, loss_fn, meta, autocast, hf_cache)
     tree = rec.tree
     line = timeline(tree, rec.events, {p: now for p, (_, now) in rec.unpacked.items()})
     times = _Times(meta=meta)

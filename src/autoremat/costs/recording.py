@@ -406,12 +406,13 @@ def record_step(
     loss_fn: LossFn | None,
     meta: bool,
     autocast: Autocast | None = None,
+    hf_cache: bool = False,
 ) -> Recording:
     """Run one training step of ``model`` (see :func:`autoremat.step.train_step`) and record
     it (module docstring); ``tree`` is the module tree (:func:`autoremat.tree.build_tree`),
     the recording's tree the step's calls. Hugging Face caches are off in training, as once
-    wrapped (on ``meta`` too: :func:`~autoremat.huggingface.ordinary_positions_on_meta`).
-    The model is left as it was found."""
+    wrapped (on ``meta`` too: :func:`~autoremat.huggingface.ordinary_positions_on_meta`),
+    unless ``hf_cache``. The model is left as it was found."""
     inputs = [t for _, t in iter_tensors((args, kwargs))]
     rec = _Recorder(model, tree, inputs)
     handles = []
@@ -419,9 +420,10 @@ def record_step(
         handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))
         handles.append(m.register_forward_hook(rec.leave, with_kwargs=True))
     positions = ordinary_positions_on_meta() if meta else contextlib.nullcontext()
+    cache_off = contextlib.nullcontext() if hf_cache else cache_off_in_training(model)
     saved = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
     try:
-        with preserved(model, leaf_inputs(args, kwargs)), cache_off_in_training(model), positions:
+        with preserved(model, leaf_inputs(args, kwargs)), cache_off, positions:
             with rec.memory, rec.costs, saved:
                 train_step(
                     model, args, kwargs, loss_fn, after_forward=rec.after_forward, autocast=autocast

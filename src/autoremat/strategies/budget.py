@@ -141,8 +141,8 @@ def _solve(
             f"budget {format_size(limit)} ({given!r}) is below the lowest peak that "
             f"recomputing modules of {request.model_name} reaches, {format_size(least)} "
             f"({least / prof.peak:.0%} of the {format_size(prof.peak)} peak without "
-            f"recompute; about {least} bytes). Try budget={least}, a smaller batch, or "
-            f"mixed precision.{_left_out_hint(skipped)}",
+            f"recompute; about {least} bytes). Try budget={least}, a smaller batch"
+            f"{'' if request.autocast else ', or mixed precision'}.{_left_out_hint(skipped)}",
             least,
             prof.peak,
         ) from None
