@@ -141,6 +141,12 @@ class Item:
         extra = sum(size for (size, _), count in zip(self.recasts, counted, strict=True) if count)
         return extra, moments
 
+    def recast_peak(self, chosen: Sequence[Item]) -> int:
+        """The most live bytes its recompute and backward reach with the recasts ``chosen``
+        leave (:meth:`recast_with`), before what items chosen earlier freed."""
+        extra, moments = self.recast_with(chosen)
+        return max([self.recompute_peak + extra, *(b for _, b in moments)])
+
     def _inside(self, point: int) -> int:
         return self.held_in_backward if point > self.start else 0
 
@@ -286,12 +292,6 @@ def _chosen(state: _State) -> list[Item]:
     return chosen
 
 
-def _highest(item: Item) -> int:
-    """The most live bytes ``item``'s recompute and backward can reach, every recast counted."""
-    extra, moments = item.recast_with(())
-    return max([item.recompute_peak + extra, *(b for _, b in moments)])
-
-
 class _Solver:
     """The dynamic programme of :func:`solve` (module docstring) for one budget."""
 
@@ -317,7 +317,8 @@ class _Solver:
         self.cap = max(
             0,
             max(self.need) - budget,
-            *(_highest(w) - budget for i in root.walk() for w in (i, *i.other_ways)),
+            # (every recast counted: nothing chosen covers a holder)
+            *(w.recast_peak(()) - budget for i in root.walk() for w in (i, *i.other_ways)),
         )
         self.grid = max(1, -(-self.cap // MAX_STATES))
         self.counter = itertools.count()
@@ -361,9 +362,8 @@ class _Solver:
     def recasts_fit(self, item: Item, state: _State) -> bool:
         """Whether ``item``'s recompute and backward fit with the recasts ``state``'s choices
         leave (its holders end before it begins: what covers them is chosen already)."""
-        extra, moments = item.recast_with(_chosen(state))
         room = self.budget - state[0]  # the budget plus what was freed before the item
-        return item.recompute_peak + extra <= room and all(b <= room for _, b in moments)
+        return item.recast_peak(_chosen(state)) <= room
 
     def run(self, item: Item, states: list[_State]) -> list[_State]:
         """The states after ``item``'s span: it recomputed whole (any way), a run of its

@@ -220,8 +220,8 @@ def recompute_peak(rec: Recording, line: Timeline, path: str, freed: int, kept: 
 
 
 def cast_reads_within(rec: Recording) -> dict[str, Reads]:
-    """For each node, the casts (:attr:`Recording.casts`) that ops inside its subtree read and
-    a node outside it made."""
+    """For each node, the casts (:attr:`Recording.cast_reads`) that ops inside its subtree read
+    and a node outside it made."""
     parent = rec.family[0]
     found: dict[str, Reads] = defaultdict(dict)
     for reader, reads in rec.cast_reads.items():

@@ -125,10 +125,11 @@ class NodeCost:
     ``ways`` has these figures for every selective way of :data:`autoremat.selective.WAYS`.
     ``ops`` is the number of op calls of the node's forward and ``op_seconds`` their time.
     ``recast``: under autocast, the weights its forward found cast by an earlier node, which
-    its recompute casts again and holds until its backward ends
-    (:func:`autoremat.costs.model.recasts`), in any way: ``recast.always`` bytes whatever
-    else is recomputed, ``recast.unless`` unless the nodes holding the first copies are
-    recomputed too (the planner works that out from the plan); not in ``recompute_peak``.
+    its recompute casts again and holds until its backward has used them
+    (:class:`autoremat.costs.model.Recast`), in any way: ``recast.groups`` the bytes, each
+    counted unless the nodes holding the first copies are recomputed too (the planner works
+    that out from the plan), ``recast.moments`` the stretches of its backward while they
+    live; not in ``recompute_peak``.
     """
 
     path: str

@@ -91,11 +91,10 @@ class Recording:
     # kept output ids that an op changed in place after they were made (selective
     # checkpointing refuses such a cached tensor in the recompute)
     changed: set[int] = field(default_factory=set)
-    # copies of a parameter, buffer or input in another dtype or device (autocast's cast of a
-    # weight): storage key -> (bytes, the node whose op made it); and node -> those of such
-    # copies its own ops read that another node made (autocast's cast cache handed them over;
-    # a recompute, in an autocast region of its own, casts them again)
-    casts: dict[int, tuple[int, str]] = field(default_factory=dict)
+    # node -> the copies of a parameter, buffer or input in another dtype or device (autocast's
+    # cast of a weight) its own ops read that another node made: storage key -> (bytes, the
+    # node whose op made it) (autocast's cast cache handed them over; a recompute, in an
+    # autocast region of its own, casts them again)
     cast_reads: dict[str, dict[int, tuple[int, str]]] = field(
         default_factory=lambda: defaultdict(dict)
     )
@@ -138,7 +137,9 @@ class OpCosts(TorchDispatchMode):
         self.own = own
         self.clock = clock
         self.preexisting = preexisting  # storage keys of parameters, buffers and inputs
-        self.casts: dict[int, tuple[int, str]] = {}  # as Recording.casts
+        # the copies made of parameters, buffers and inputs (``_to_copy``, as autocast casts a
+        # weight): storage key -> (bytes, the node whose op made it)
+        self.casts: dict[int, tuple[int, str]] = {}
         self.cast_reads: dict[str, dict[int, tuple[int, str]]] = defaultdict(dict)
         self.born: dict[int, int] = {}  # kept output id -> the clock when it was made
         self.changed: set[int] = set()  # kept output ids changed in place after
@@ -261,7 +262,6 @@ class _Recorder:
         )
         self.rec.born = self.costs.born
         self.rec.changed = self.costs.changed
-        self.rec.casts = self.costs.casts
         self.rec.cast_reads = self.costs.cast_reads
 
     def mark(self, kind: str, path: str) -> None:
@@ -296,8 +296,7 @@ class _Recorder:
             rec.unpacked[here] = (len(rec.unpacked), self.memory.current)
             rec.unpack_events[here] = len(rec.events) - 1
             here = self.parent.get(here)
-        key = storage_key(packed[1])
-        if key in self.costs.casts:
+        if self.costs.casts and (key := storage_key(packed[1])) in self.costs.casts:
             self._cast_used(path, key)
         return packed[1]
 
@@ -383,7 +382,6 @@ def _name_calls(rec: Recording, names: dict[str, str]) -> Recording:
         "own_saved", "own_ops", "input_keys", "output_keys", "last_save", "unpacked", "cast_reads"
     ):  # fmt: skip
         setattr(rec, name, rekey(getattr(rec, name)))
-    rec.casts = {k: (size, names.get(p, p)) for k, (size, p) in rec.casts.items()}
     rec.unpack_events = {names.get(p, p): i for p, i in rec.unpack_events.items()}
     rec.cast_unpacks = {(names.get(p, p), k): i for (p, k), i in rec.cast_unpacks.items()}
     for reads in rec.cast_reads.values():
