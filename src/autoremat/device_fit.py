@@ -39,7 +39,7 @@ from autoremat.planner import plan_from_profile, profile_lowest
 from autoremat.plans import Plan
 from autoremat.progress import Progress
 from autoremat.sizes import format_size
-from autoremat.step import Autocast, LossFn, autocast_spec
+from autoremat.step import Autocast, LossFn, StepHow, autocast_spec
 from autoremat.strategies.budget import BudgetTooLow
 from autoremat.training_memory import TrainingMeasurement, measure_training
 from autoremat.whole_step import StepMemory, step_memory
@@ -294,7 +294,7 @@ def fit(
     best = max(candidates, key=lambda c: (c.samples_per_second, c.batch))
     chosen = best if objective == "throughput" else candidates[-1]
     plan = chosen.plan or plan_from_profile(model, prober.probe(chosen.batch).profile, 1.0)
-    how = (loss_fn, spec)
+    how: StepHow = (loss_fn, spec)
     verify = verify and device.type != "meta"  # nothing runs on meta
     measured = _verify(model, make_inputs, chosen.batch, plan, optimizer, how) if verify else None
     found = Fit(chosen.batch, plan, dm, tuple(candidates), without, measured, objective, chosen)
@@ -321,7 +321,7 @@ def _ladder(without: int, top: int, objective: str) -> list[int]:
 
 
 def _verify(model: nn.Module, make_inputs: Inputs, batch: int, plan: Plan,
-            optimizer: OptimizerLike, how: Any) -> TrainingMeasurement:  # fmt: skip
+            optimizer: OptimizerLike, how: StepHow) -> TrainingMeasurement:  # fmt: skip
     """Real training steps at ``batch`` with ``plan`` applied; the model is put back."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     args, kwargs = tree_map(

@@ -136,10 +136,10 @@ def measure(
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     inputs = leaf_inputs(args, kwargs)
-    how = (loss_fn or default_loss, autocast_spec(autocast, model))
+    loss, cast = loss_fn or default_loss, autocast_spec(autocast, model)
 
     def run(after_forward: Any = None) -> None:
-        train_step(model, args, kwargs, how[0], after_forward=after_forward, autocast=how[1])
+        train_step(model, args, kwargs, loss, after_forward=after_forward, autocast=cast)
 
     # Memory and FLOPs come from two runs: FlopCounterMode's module tracker keeps the autograd
     # nodes of checkpoint recomputes alive (their recomputed activations with them) until it

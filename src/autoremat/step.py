@@ -20,6 +20,7 @@ from autoremat.nested import iter_tensors, run_model
 __all__ = [
     "Autocast",
     "LossFn",
+    "StepHow",
     "ambient_autocast",
     "autocast_for",
     "autocast_spec",
@@ -32,6 +33,8 @@ __all__ = [
 LossFn = Callable[[Any], torch.Tensor]
 # (device type, dtype) of torch.autocast: ("cuda", torch.bfloat16)
 Autocast = tuple[str, torch.dtype]
+# how a training step runs, as train_step takes it: the loss function and the autocast
+StepHow = tuple[LossFn | None, Autocast | None]
 
 
 def default_loss(output: Any) -> torch.Tensor:

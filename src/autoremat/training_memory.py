@@ -26,7 +26,7 @@ from autoremat.memory import LiveMemory
 from autoremat.nested import tensor_bytes
 from autoremat.optimizer_memory import OptimizerLike, optimizer_factory
 from autoremat.sizes import format_size
-from autoremat.step import Autocast, LossFn, autocast_spec, default_loss, train_step
+from autoremat.step import Autocast, LossFn, StepHow, autocast_spec, default_loss, train_step
 
 __all__ = ["TrainingMeasurement", "measure_training"]
 
@@ -78,14 +78,14 @@ def measure_training(
     saved = _Saved(model)
     try:
         with torch.random.fork_rng(devices=_cuda_devices(model)):
-            how = (loss_fn, autocast_spec(autocast, model))
+            how: StepHow = (loss_fn, autocast_spec(autocast, model))
             return _run(model, args, kwargs or {}, make, how, steps)
     finally:
         saved.restore()
 
 
 def _run(
-    model: nn.Module, args: Any, kwargs: Any, make: Any, how: Any, steps: int
+    model: nn.Module, args: Any, kwargs: Any, make: Any, how: StepHow, steps: int
 ) -> TrainingMeasurement:
     opt = None if make is None else make([p for p in model.parameters() if p.requires_grad])
     cuda = any(p.is_cuda for p in model.parameters())
@@ -105,7 +105,7 @@ def _run(
     return TrainingMeasurement(before + live.peak, torch.cuda.max_memory_reserved(), total - free)
 
 
-def _step(model: nn.Module, args: Any, kwargs: Any, opt: Any, how: Any) -> None:
+def _step(model: nn.Module, args: Any, kwargs: Any, opt: Any, how: StepHow) -> None:
     loss_fn, autocast = how  # grads set to None first, as zero_grad does:
     train_step(model, args, kwargs, loss_fn, autocast=autocast)
     if opt is not None:
