@@ -9,7 +9,7 @@ a later call casts them again (``docs/cost-model.md``, "Autocast"). For each mod
 
 * ``call sets``: the shared module's calls recomputed whole, in sets (each call alone, all,
   all but the first, all but the last, the odd ones, the even ones): the predicted step peak
-  (:func:`autoremat.solver.predict_peak` on the profile) against the measured one;
+  (:func:`autoremat.planning.solver.predict_peak` on the profile) against the measured one;
 * ``budget`` plans priced by FLOPs (the same plan on any machine) at 75% and 50% of the peak
   without recompute and at the lowest budget: measured peak within the budget, and the error.
 
@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import autoremat
 import run
-from autoremat.planning_tree import planning_tree
-from autoremat.solver import predict_peak
-from autoremat.wrap import apply
+from autoremat.planning.planning_tree import planning_tree
+from autoremat.planning.solver import predict_peak
+from autoremat.wrap.wrapping import apply
 from report import dicts_to_csv
 from zoo import REPEATED
 

@@ -37,18 +37,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run
 from autoremat import profile, wrap
-from autoremat.comparison import Applied, Row, Strategy, budget, compare, no_recompute
+from autoremat.comparison import Applied, Contender, Row, budget_plan, compare, no_recompute
 from report import dicts_to_csv
 from zoo import REPEATED
 
 TARGET = 1.10  # budget min's peak over the better hand row's, at most
 
 
-def by_hand(name: str, entries: list[str]) -> Strategy:
+def by_hand(name: str, entries: list[str]) -> Contender:
     def apply(model: Any, args: Any, kwargs: Any) -> Applied:
         return Applied(wrap.apply(model, entries), note=f"{len(entries)} entries")
 
-    return Strategy(name, apply)
+    return Contender(name, apply)
 
 
 def rows_for(name: str, repeats: int) -> list[dict[str, Any]]:
@@ -59,8 +59,8 @@ def rows_for(name: str, repeats: int) -> list[dict[str, Any]]:
         no_recompute(),
         by_hand("every call (hand)", [shared]),
         by_hand("all calls but the last (hand)", calls[:-1]),
-        budget(0.5),
-        budget("min"),
+        budget_plan(0.5),
+        budget_plan("min"),
     ]
     print(f"{name}: {len(calls)} calls of {shared}", file=sys.stderr, flush=True)
     measured = compare(model, args, kwargs, strategies, repeats=repeats, name=name)

@@ -4,7 +4,7 @@
     python benchmarks/compile.py --models gpt2 --repeats 3
 
 Rows per model, all in one run and measured alike (peak and saved from the CPU allocator's own
-events, :class:`autoremat.memory.CpuAllocatorMemory`, for eager and compiled rows):
+events, :class:`autoremat.record.memory.CpuAllocatorMemory`, for eager and compiled rows):
 
 * ``none``: eager, no recompute (the baseline of every ratio);
 * ``budget 75%``, ``budget 50%``, ``budget min``: eager autoremat plans;
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from autoremat.comparison import Row, budget, compare, compiled, every_block, to_markdown
+from autoremat.comparison import Row, budget_plan, compare, compiled, every_block, to_markdown
 from report import to_csv
 from run import machine_line, progress_printer
 from zoo import ZOO
@@ -58,11 +58,11 @@ cold compile included."""
 def strategies() -> list:
     # objective="flops": the plan depends on no timing, so the eager and the compiled row of a
     # budget apply the same plan.
-    chosen = [budget(b, objective="flops") for b in PLAN_BUDGETS]
-    chosen += [compiled(first=budget(b, objective="flops")) for b in PLAN_BUDGETS]
+    chosen = [budget_plan(b, objective="flops") for b in PLAN_BUDGETS]
+    chosen += [compiled(first=budget_plan(b, objective="flops")) for b in PLAN_BUDGETS]
     # the same budgets, checked under compile (plan_for_compile: replanned while over)
     chosen += [
-        compiled(first=budget(b, objective="flops", compile_backend="inductor"))
+        compiled(first=budget_plan(b, objective="flops", compile_backend="inductor"))
         for b in PLAN_BUDGETS[1:]
     ]
     chosen += [compiled(b) for b in COMPILE_BUDGETS]

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoremat
 from autoremat.examples import EXAMPLES
-from autoremat.memory import LiveMemory
+from autoremat.record.memory import LiveMemory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 MiB = 2**20

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run
-from autoremat.comparison import Strategy, budget, compare, no_recompute
+from autoremat.comparison import Contender, budget_plan, compare, no_recompute
 from autoremat.examples import TinyGPT, seeded
 from report import dicts_to_csv
 from zoo import SEQ, VOCAB, ZOO
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             strategies = [no_recompute()]
             for selective, objective, label in PLANS:
                 # named as in the tables ("budget 50% (module)", not "... (module) (flops)")
-                inner = budget(0.5, selective=selective, objective=objective)
-                strategies.append(Strategy(label, inner.apply))
+                inner = budget_plan(0.5, selective=selective, objective=objective)
+                strategies.append(Contender(label, inner.apply))
             print(f"{name} x{layers}", file=sys.stderr, flush=True)
             measured = compare(model, args, kwargs, strategies, repeats=ns.repeats, name=name)
             base = measured[0]

@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run
 from autoremat import fit, measure_training, remove, scale_batch
+from autoremat.core.nested import tensor_bytes
 from autoremat.examples import EXAMPLES
-from autoremat.memory import LiveMemory
-from autoremat.nested import tensor_bytes
-from autoremat.step import train_step
+from autoremat.record.memory import LiveMemory
+from autoremat.record.step import train_step
 from report import dicts_to_csv
 
 # model -> the device sizes tried

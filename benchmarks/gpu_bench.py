@@ -42,19 +42,19 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from autoremat.comparison import (
+    Contender,
     Row,
-    Strategy,
-    budget,
+    budget_plan,
     compare,
     every_block,
-    levels,
+    levels_plan,
     no_recompute,
     sqrt_segments,
     to_markdown,
 )
 from autoremat.examples import ConvNet, Example, TinyGPT, require_transformers
-from autoremat.snapshot import preserved
-from autoremat.step import default_loss, train_step
+from autoremat.record.snapshot import preserved
+from autoremat.record.step import default_loss, train_step
 from report import plot, to_csv
 
 LEVELS = (1, 4, 16)
@@ -202,10 +202,10 @@ def describe(name: str, scale: str, model: nn.Module) -> str:
     return f"{name}: {type(model).__name__}, {params / 1e6:.1f} M parameters, {sizes}"
 
 
-def strategies(budgets: tuple[float | str, ...]) -> list[Strategy]:
+def strategies(budgets: tuple[float | str, ...]) -> list[Contender]:
     chosen = [no_recompute(), every_block(), sqrt_segments()]
-    chosen += [levels(k) for k in LEVELS]
-    chosen += [budget(b) for b in budgets]
+    chosen += [levels_plan(k) for k in LEVELS]
+    chosen += [budget_plan(b) for b in budgets]
     return chosen
 
 

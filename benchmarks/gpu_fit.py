@@ -5,7 +5,7 @@ checkpointing, each at its own largest batch (issue 15's GPU check; under 8 minu
     python benchmarks/gpu_fit.py --quick --device cpu --out /tmp/x  # smoke test: tiny sizes
 
 A Hugging Face Llama-style model (float32 parameters and AdamW state, the step under bf16
-autocast: sized on ``meta`` with autocast's casts made there, :mod:`autoremat.autocast_meta`)
+autocast: sized on ``meta`` with autocast's casts made there, :mod:`autoremat.record.autocast_meta`)
 trains under a cap on the caching allocator
 (``torch.cuda.set_per_process_memory_fraction``). Three ways, each at the largest batch it can
 train under the cap:
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run
 from autoremat import fit, remove
-from autoremat.device_memory import CUDA_CONTEXT
-from autoremat.wrap import apply
+from autoremat.training.device_model import CUDA_CONTEXT
+from autoremat.wrap.wrapping import apply
 
 SIZES = {  # layers, width, heads, ffn, sequence, vocab
     "full": (12, 2048, 16, 5632, 2048, 32000),

@@ -1,5 +1,5 @@
 """What the wrap's replay guards cost (issue 13): buffers put back to their pre-forward values,
-Python's and NumPy's generators replayed, inputs checked (:mod:`autoremat.replay`).
+Python's and NumPy's generators replayed, inputs checked (:mod:`autoremat.wrap.replay`).
 
     python benchmarks/replay_cost.py            # the zoo, budget 50% (or lowest) plans
 
@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import autoremat
-from autoremat import replay
-from autoremat.comparison.strategies import MiB
-from autoremat.entries import covered
-from autoremat.step import default_loss, train_step
+from autoremat.comparison.contenders import MiB
+from autoremat.core.entries import covered
+from autoremat.record.step import default_loss, train_step
+from autoremat.wrap import replay
 from run import machine_line
 from zoo import ZOO
 

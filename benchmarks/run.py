@@ -27,13 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from autoremat.comparison import (
+    Contender,
     Row,
-    Strategy,
-    budget,
+    budget_plan,
     compare,
     compiled,
     every_block,
-    levels,
+    levels_plan,
     no_recompute,
     sqrt_segments,
     to_markdown,
@@ -105,10 +105,10 @@ def machine_line(
 
 def strategies_for(
     name: str, compile_models: set[str], budgets: tuple[float, ...]
-) -> list[Strategy]:
-    chosen: list[Strategy] = [no_recompute(), every_block(), sqrt_segments()]
-    chosen += [levels(k) for k in LEVELS]
-    chosen += [budget(f) for f in (0.75, 0.5, 0.25)] + [budget("min")]
+) -> list[Contender]:
+    chosen: list[Contender] = [no_recompute(), every_block(), sqrt_segments()]
+    chosen += [levels_plan(k) for k in LEVELS]
+    chosen += [budget_plan(f) for f in (0.75, 0.5, 0.25)] + [budget_plan("min")]
     if name in compile_models:
         chosen += [compiled(b) for b in budgets]
     return chosen

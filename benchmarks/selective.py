@@ -16,7 +16,7 @@ Llama-like (``llama``) and ViT-like (``vit``) models, in one run, side by side:
   6; 8 take about 3 minutes more) evenly spaced from the lowest budget that variant's planner
   meets up to just below the no-recompute peak;
 * ``torch.compile`` (inductor) at ``activation_memory_budget`` 1.0, 0.5, 0.2 and 0.0
-  (:func:`autoremat.comparison.compiled`; cold compiles take 20-60 s each here).
+  (:func:`autoremat.comparison.inductor.compiled`; cold compiles take 20-60 s each here).
 
 Everything of one model runs through :func:`autoremat.comparison.compare` twice, in the same
 process: once for the headline (none, the two 50% plans and the compile points, ``--repeats`` timed
@@ -65,9 +65,18 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run
-from autoremat import planner, wrap
-from autoremat.comparison import Applied, Row, Strategy, budget, compare, compiled, no_recompute
-from autoremat.plans import fingerprint
+from autoremat import wrap
+from autoremat.comparison import (
+    Applied,
+    Contender,
+    Row,
+    budget_plan,
+    compare,
+    compiled,
+    no_recompute,
+)
+from autoremat.planning import plan as planner
+from autoremat.planning.fingerprint import fingerprint
 from zoo import ZOO
 
 MODELS = ("gpt2", "gpt-torch", "llama", "vit")
@@ -130,10 +139,10 @@ def planned(
     peak: int,
     points: dict[str, Point],
     objective: str = "flops",
-) -> Strategy:
-    """:func:`autoremat.comparison.budget` at ``fraction`` of ``peak`` (the profile's), named
+) -> Contender:
+    """:func:`autoremat.comparison.budget_plan` at ``fraction`` of ``peak`` (the profile's), named
     ``name``; records the plan's figures in ``points[name]``."""
-    inner = budget(fraction, selective=selective, objective=objective)
+    inner = budget_plan(fraction, selective=selective, objective=objective)
     # the budget in bytes, as autoremat.plan takes a fraction of its profile's peak
     variant = "module" if not selective else "time" if objective == "time" else "selective"
     point = Point(variant, fraction, max(1, int(fraction * peak)))
@@ -152,7 +161,7 @@ def planned(
         point.recompute_seconds = applied.plan.recompute_seconds
         return applied
 
-    return Strategy(name, apply, dedupe=True)
+    return Contender(name, apply, dedupe=True)
 
 
 def sweep_fractions(low: int, peak: int, steps: int) -> list[float]:

@@ -21,8 +21,8 @@ import torch
 
 import autoremat
 from autoremat.examples import llama_on_meta
-from autoremat.planning_tree import planning_tree
-from autoremat.solver import Item, min_peak, solve
+from autoremat.planning.planning_tree import planning_tree
+from autoremat.planning.solver import Item, min_peak, solve
 
 
 def random_tree(nodes: int, seed: int) -> tuple[Item, list[tuple[int, int]]]:

@@ -25,7 +25,7 @@ from autoremat.examples import (
     require_transformers,
     seeded,
 )
-from autoremat.repeated import CellRNN, LoopedTransformer, TwoTower
+from autoremat.examples.repeated import CellRNN, LoopedTransformer, TwoTower
 
 SEQ = 256  # tokens per sequence for the language models
 VOCAB = 2048  # small vocabulary: the logits do not swamp the blocks' activations

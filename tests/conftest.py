@@ -1,16 +1,21 @@
-"""Shared helpers: one training step, and comparisons of two models after it."""
+"""Shared helpers: one training step, comparisons of two models after it, and the proof that
+a wrapped model's entries were recomputed (:class:`Recomputes`)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from autoremat.core.nested import iter_tensors
 from autoremat.examples import EXAMPLES
-from autoremat.nested import iter_tensors
+from autoremat.wrap.checkpointed import wrapped_paths
+from autoremat.wrap.replay import recomputing
 
 # No test may depend on timing: hypothesis's per-example deadline (200 ms by default) and its
 # too-slow health check fail tests on a busy machine, so both are off for every property test.
@@ -38,10 +43,46 @@ def train_step(model: nn.Module, args: tuple, kwargs: dict, seed: int = 1) -> to
     return loss.detach()
 
 
-def assert_same_step(reference: nn.Module, wrapped: nn.Module, args: tuple, kwargs: dict) -> None:
-    """One step of each gives the same loss, gradients and buffers (tight tolerances)."""
+class Recomputes(TorchDispatchMode):
+    """Counts, for each plan entry, the ops its recomputes run while the mode is active
+    (:func:`autoremat.wrap.replay.recomputing` names the entry): a wrap that recomputed
+    nothing counts none. Active around a training step, it sees the backward too (the autograd
+    engine carries the mode into it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        entry = recomputing()
+        if entry is not None:
+            self.ops[entry] += 1
+        return func(*args, **(kwargs or {}))
+
+    def check(self, entries: Any) -> None:
+        """Assert that each of ``entries`` (some at least) ran ops in a recompute."""
+        entries = list(entries)
+        assert entries, "no entry is wrapped: nothing could be recomputed"
+        missing = [e for e in entries if not self.ops[e]]
+        assert not missing, f"not recomputed: {missing} (recomputed: {dict(self.ops)})"
+
+
+def recomputed_step(model: nn.Module, step: Any, entries: Any = None) -> Any:
+    """``step()``, asserting that every entry of ``model`` (``entries``, else every entry
+    wrapped, :func:`autoremat.wrapped_paths`) ran ops in a recompute meanwhile."""
+    with Recomputes() as seen:
+        result = step()
+    seen.check(wrapped_paths(model) if entries is None else entries)
+    return result
+
+
+def assert_same_step(
+    reference: nn.Module, wrapped: nn.Module, args: tuple, kwargs: dict, entries: Any = None
+) -> None:
+    """One step of each gives the same loss, gradients and buffers (tight tolerances), and the
+    wrapped model's entries (``entries``, else all) were recomputed in its step."""
     loss_ref = train_step(reference, args, kwargs)
-    loss_new = train_step(wrapped, args, kwargs)
+    loss_new = recomputed_step(wrapped, lambda: train_step(wrapped, args, kwargs), entries)
     torch.testing.assert_close(loss_new, loss_ref, rtol=1e-6, atol=1e-7)
     grads = 0
     for (name, p), (name2, q) in zip(

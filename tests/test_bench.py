@@ -17,20 +17,20 @@ from torch import nn
 from autoremat import build_tree, wrap
 from autoremat.comparison import (
     Applied,
+    Contender,
     Row,
-    Strategy,
-    budget,
+    budget_plan,
     compare,
     every_block,
     find_blocks,
-    levels,
+    levels_plan,
     no_recompute,
     saved_by_autograd,
     sqrt_segments,
     to_markdown,
 )
 from autoremat.examples import ConvNet, TinyGPT
-from autoremat.tree import Node
+from autoremat.record.tree import Node
 
 # CSV files and plots are the benchmark scripts' (benchmarks/report.py), not the package's
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -62,7 +62,7 @@ def chain(n: int = 8, batchnorm: bool = False) -> tuple[nn.Module, tuple, dict]:
     return nn.Sequential(*layers).train(), (torch.randn(32, 16),), {}
 
 
-ALL = [no_recompute(), every_block(), sqrt_segments(), levels(1), levels(2), levels(4)]
+ALL = [no_recompute(), every_block(), sqrt_segments()] + [levels_plan(k) for k in (1, 2, 4)]
 
 
 # ---------------------------------------------------------------- find_blocks
@@ -176,7 +176,7 @@ def test_compare_on_a_chain() -> None:
 
 def test_compare_flags_batchnorm_moved_twice_by_checkpoint_sequential() -> None:
     model, args, kwargs = chain(4, batchnorm=True)
-    rows = compare(model, args, kwargs, [sqrt_segments(), levels(4)], repeats=1)
+    rows = compare(model, args, kwargs, [sqrt_segments(), levels_plan(4)], repeats=1)
     by = {r.strategy: r for r in rows}
     assert by["sqrt segments"].grads_match
     assert "buffers differ" in by["sqrt segments"].note  # pytorch#96136
@@ -188,7 +188,7 @@ def test_compare_adds_the_baseline_and_reports_failures() -> None:
         raise RuntimeError("boom")
 
     model, args, kwargs = chain(2)
-    rows = compare(model, args, kwargs, [Strategy("broken", broken)], repeats=1)
+    rows = compare(model, args, kwargs, [Contender("broken", broken)], repeats=1)
     assert [r.strategy for r in rows] == ["none", "broken"]
     assert rows[1].seconds is None and not rows[1].grads_match
     assert "failed: RuntimeError: boom" in rows[1].note
@@ -253,11 +253,11 @@ def test_saved_by_autograd_counts_the_selective_cache() -> None:
 
 
 def test_budget_strategy_names_the_module_only_variant() -> None:
-    assert budget(0.5).name == "budget 50%"
-    assert budget(0.5, selective=False).name == "budget 50% (module)"
-    assert budget("min", selective=False).name == "budget min (module)"
+    assert budget_plan(0.5).name == "budget 50%"
+    assert budget_plan(0.5, selective=False).name == "budget 50% (module)"
+    assert budget_plan("min", selective=False).name == "budget min (module)"
     model, args, kwargs = tiny_gpt()
-    strategies = [budget(0.5, selective=False), budget(0.5)]
+    strategies = [budget_plan(0.5, selective=False), budget_plan(0.5)]
     rows = compare(model, args, kwargs, strategies, repeats=1, name="tiny")
     assert [r.strategy for r in rows] == ["none", "budget 50% (module)", "budget 50%"]
     assert "entries (0 selective)" in rows[1].note
@@ -279,8 +279,8 @@ def test_saved_by_autograd_counts_activations_only() -> None:
 
 def test_rows_carry_the_plan_applied_and_bare_modules_are_accepted() -> None:
     model, args, kwargs = tiny_gpt()
-    bare = Strategy("bare", lambda m, a, k: m)  # a bare module is taken as Applied(module)
-    rows = compare(model, args, kwargs, [budget(0.5), levels(4), bare], repeats=1)
+    bare = Contender("bare", lambda m, a, k: m)  # a bare module is taken as Applied(module)
+    rows = compare(model, args, kwargs, [budget_plan(0.5), levels_plan(4), bare], repeats=1)
     by = {r.strategy: r for r in rows}
     assert set(by) == {"none", "budget 50%", "levels s=4", "bare"}
     assert by["none"].plan is None and by["bare"].plan is None
@@ -360,7 +360,7 @@ def test_plot_writes_a_png(tmp_path) -> None:
 
 
 def test_cli_bench(capsys) -> None:
-    from autoremat.cli import main
+    from autoremat.cli.commands import main
 
     assert main(["bench", "gpt2", "--repeats", "1"]) == 0
     out = capsys.readouterr().out

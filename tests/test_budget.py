@@ -1,4 +1,4 @@
-"""The memory-budget strategy (:mod:`autoremat.strategies.budget`, ``plan(..., budget=...)``).
+"""The memory-budget strategy (:mod:`autoremat.planning.strategies.budget`, ``budget=...``).
 
 1. The solver on random planning trees, against a brute force over every valid choice: its
    answer is valid, fits the budget and costs exactly the optimum of the cost model.
@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import autoremat
-from autoremat import solver as budget_mod
+from autoremat.core.sizes import parse_budget
 from autoremat.examples import EXAMPLES
-from autoremat.planning_tree import planning_tree
-from autoremat.sizes import parse_budget
-from autoremat.solver import (
+from autoremat.planning import solver as budget_mod
+from autoremat.planning.planning_tree import planning_tree
+from autoremat.planning.solver import (
     FLOPS_PER_SECOND,
     Infeasible,
     Item,
@@ -37,7 +37,7 @@ from autoremat.solver import (
     predict_peak,
     solve,
 )
-from autoremat.strategies.budget import HEADROOM
+from autoremat.planning.strategies.budget import HEADROOM
 from conftest import assert_same_step
 
 

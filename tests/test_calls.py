@@ -20,14 +20,15 @@ from hypothesis import strategies as st
 from torch import nn
 
 import autoremat
-from autoremat.calls import NewStep
-from autoremat.entries import call_entry, first_nested, module_of, parse_call
+from autoremat.core.entries import call_entry, first_nested, module_of, parse_call
 from autoremat.examples import EXAMPLES, Block
-from autoremat.planning_tree import planning_tree
-from autoremat.repeated import LoopedTransformer
-from autoremat.solver import predict_peak
-from autoremat.strategies.budget import HEADROOM, entries
-from autoremat.wrap import apply, selective_paths, wrapped_paths
+from autoremat.examples.repeated import LoopedTransformer
+from autoremat.planning.planning_tree import planning_tree
+from autoremat.planning.solver import predict_peak
+from autoremat.planning.strategies.budget import HEADROOM, choices_for
+from autoremat.wrap.calls import NewStep
+from autoremat.wrap.checkpointed import selective_paths, wrapped_paths
+from autoremat.wrap.wrapping import apply
 from conftest import assert_same_step, train_step
 
 REPEATED = ["looped", "lstm-cell", "two-tower", "hf-albert"]
@@ -158,9 +159,9 @@ def test_every_call_chosen_alike_is_one_entry_and_the_table_groups_calls() -> No
     prof = autoremat.profile(model, args, kwargs)
     items = {i.path: i for i in planning_tree(prof, selective=False).walk()}
     every = [items[f"block@{k}"] for k in range(8)]
-    (merged,) = entries(prof, every)
+    (merged,) = choices_for(prof, every)
     assert merged.path == "block" and merged.freed == sum(i.freed for i in every)
-    assert [c.path for c in entries(prof, every[:7])] == [f"block@{k}" for k in range(7)]
+    assert [c.path for c in choices_for(prof, every[:7])] == [f"block@{k}" for k in range(7)]
     low = autoremat.plan(model, args, kwargs, budget=0.3, selective=False)
     for entry in low.modules:  # a module has call entries or its path, never both
         call = parse_call(entry)
@@ -426,7 +427,7 @@ def test_an_apply_that_fails_half_way_leaves_no_hook(monkeypatch: pytest.MonkeyP
     def fail(model: nn.Module) -> None:
         raise RuntimeError("failed after the calls' hook was added")
 
-    monkeypatch.setattr("autoremat.wrap.huggingface.turn_cache_off_in_training", fail)
+    monkeypatch.setattr("autoremat.wrap.wrapping.huggingface.turn_cache_off_in_training", fail)
     with pytest.raises(RuntimeError, match="failed after"):
         apply(model, ["block@1", "block.mlp@2"])
     assert not model._forward_pre_hooks and wrapped_paths(model) == ()

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 import autoremat
+from autoremat.core.selective import WAYS
 from autoremat.examples import Block, ConvNet, TinyGPT
-from autoremat.selective import WAYS
-from autoremat.wrap import apply
+from autoremat.wrap.wrapping import apply
 from conftest import loss_of, tiny_llama
 
 
@@ -280,7 +280,7 @@ def test_a_compiled_model_is_measured_by_the_cpu_allocator() -> None:
 def test_plan_for_compile_measures_the_compiled_step_within_the_budget() -> None:
     """End to end with ``aot_eager``: the plan's compiled peak is measured, within the budget,
     and the model is left unwrapped and as it was."""
-    from autoremat.compile_plan import plan_for_compile
+    from autoremat.planning.plan_for_compile import plan_for_compile
 
     torch.manual_seed(0)
     model = Stack(width=64)
@@ -298,7 +298,7 @@ def test_plan_for_compile_plans_again_below_the_overshoot(monkeypatch: pytest.Mo
     budget minus the overshoot (doubled at each later try), until it fits; the plan keeps the
     budget asked for. Past the lowest reachable peak, or after ``tries``, ``BudgetTooLow``
     gives the compiled peaks."""
-    from autoremat import compile_plan
+    from autoremat.planning import plan_for_compile as compile_plan
 
     torch.manual_seed(0)
     model = Stack(width=64)

@@ -6,7 +6,7 @@ Diagnostics are printed: run with ``-rA`` to see them for passing tests too.
 
 What is comparable between CPU and CUDA:
 
-* :class:`~autoremat.memory.LiveMemory` counts tensor storage bytes at the dispatcher, so on
+* :class:`~autoremat.record.memory.LiveMemory` counts tensor storage bytes at the dispatcher, so on
   CUDA it gives exactly the CPU figures wherever the same ATen ops run (explicit-matmul attention,
   Linear, LayerNorm, GELU, cross-entropy, convolutions). It differs where CUDA runs other ops:
   dropout (a fused ``native_dropout`` that keeps a bool mask on CUDA; on CPU ``bernoulli_`` into
@@ -14,7 +14,7 @@ What is comparable between CPU and CUDA:
   or flash attention on CUDA, the math fallback with its attention matrices on CPU) and cuDNN's
   batch norm (a reserve buffer). FLOPs follow the same rule (the flash/efficient backward
   formulas count one matmul more than the math path's backward).
-* :class:`~autoremat.memory.CudaMemory` (what ``measure`` uses on CUDA) reads the caching
+* :class:`~autoremat.record.memory.CudaMemory` (what ``measure`` uses on CUDA) reads the caching
   allocator: every block is rounded up to a multiple of 512 bytes (a 4-byte loss takes 512),
   a large-pool block is not split when less than 1 MiB would be left over, and a kernel's scratch
   buffers and the cuBLAS workspace (allocated once per thread and stream, kept for good) count.
@@ -37,10 +37,10 @@ from torch.utils.checkpoint import checkpoint
 import autoremat
 from autoremat import wrap
 from autoremat.examples import EXAMPLES
-from autoremat.memory import LiveMemory
-from autoremat.snapshot import preserved
-from autoremat.step import default_loss, leaf_inputs
-from autoremat.step import train_step as one_step
+from autoremat.record.memory import LiveMemory
+from autoremat.record.snapshot import preserved
+from autoremat.record.step import default_loss, leaf_inputs
+from autoremat.record.step import train_step as one_step
 from conftest import train_step
 
 pytestmark = [
@@ -405,7 +405,7 @@ def test_wrapped_training_step_identical_on_cuda(name, segments):
 def test_every_selective_way_trains_identically_on_cuda(name):
     """Every block recomputed in each selective way (the kept ops' outputs cached, random ops
     replayed), on CUDA: same loss, gradients and buffers as the plain model."""
-    from autoremat.selective import WAYS
+    from autoremat.core.selective import WAYS
 
     for way, ops in WAYS.items():
         model, args, kwargs = example(name)
@@ -421,7 +421,7 @@ def test_every_selective_way_trains_identically_on_cuda(name):
 def test_profile_times_ops_on_cuda_and_prices_plans_by_time():
     """Op times (synchronised around each op) and per-op overheads on CUDA are positive; a
     time-priced budget plan reports its seconds and meets its budget in storage bytes."""
-    from autoremat.costs import overheads
+    from autoremat.record.timing import overheads
 
     full, selective = overheads(torch.device(DEVICE))
     assert 0 < full <= selective
@@ -510,7 +510,7 @@ def test_bench_compare_on_cuda():
         model,
         args,
         kwargs,
-        [bench.no_recompute(), bench.every_block(), bench.levels(3), bench.budget(0.5)],
+        [bench.no_recompute(), bench.every_block(), bench.levels_plan(3), bench.budget_plan(0.5)],
         repeats=2,
         name="gpt2",
     )

@@ -27,8 +27,8 @@ import torch.distributed as dist
 import autoremat
 from autoremat import wrap
 from autoremat.examples import TinyGPT
-from autoremat.memory import LiveMemory
-from autoremat.plans import fingerprint, structure
+from autoremat.planning.fingerprint import fingerprint, structure
+from autoremat.record.memory import LiveMemory
 
 WORLD = 2
 BATCH = 4  # per rank

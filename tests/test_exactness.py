@@ -6,7 +6,9 @@ selectively recomputed module works; hooks can tell a recompute from a forward.
 
 Every case compares one training step (loss, every gradient, every buffer) of the wrapped
 model with the unwrapped one from the same seeds, dropout on (``conftest.assert_same_step``),
-and most run two steps, so that what the first step left behind is compared too.
+and most run two steps, so that what the first step left behind is compared too; each also
+proves that every entry was recomputed (``conftest.recomputed_step``: a wrap that recomputed
+nothing would pass the comparisons).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from torch.utils.checkpoint import CheckpointError
 
 import autoremat
 from autoremat.examples import TinyGPT
-from autoremat.wrap import apply
-from conftest import loss_of, train_step
+from autoremat.wrap.wrapping import apply
+from conftest import loss_of, recomputed_step, train_step
 
 
 class EMANorm(nn.Module):
@@ -103,9 +105,11 @@ def _step(model: nn.Module, x: torch.Tensor, seed: int) -> tuple[Any, ...]:
 
 def _two_steps_equal(reference: nn.Module, wrapped: nn.Module, x: torch.Tensor) -> None:
     """Two steps with an SGD update between them: loss, gradients, buffers (names, shapes,
-    values) and the host generators equal after each."""
+    values) and the host generators equal after each, and every entry of ``wrapped``
+    recomputed in each."""
     for seed in (1, 2):
-        expected, got = _step(reference, x, seed), _step(wrapped, x, seed)
+        expected = _step(reference, x, seed)
+        got = recomputed_step(wrapped, lambda seed=seed: _step(wrapped, x, seed))
         torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-7)
         assert any(g is not None for g in expected[1])
         for g, h in zip(got[1], expected[1], strict=True):
@@ -215,7 +219,8 @@ def test_a_second_backward_through_a_recomputed_module(selective: bool) -> None:
         return [p.grad.clone() for p in model.parameters()]
 
     for run in (twice, penalty):
-        expected, got = run(reference), run(wrapped)
+        expected = run(reference)
+        got = recomputed_step(wrapped, lambda run=run: run(wrapped))
         for g, h in zip(got, expected, strict=True):
             torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-7)
 

@@ -27,8 +27,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import autoremat
-from autoremat import huggingface, wrap
-from autoremat.snapshot import RestoreError, all_or_nothing, preserved
+from autoremat import wrap
+from autoremat.core import huggingface
+from autoremat.record.snapshot import RestoreError, all_or_nothing, preserved
 from conftest import assert_same_step
 
 

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import autoremat
-from autoremat.batch_inputs import batch_size_of
-from autoremat.cli import main
-from autoremat.device_memory import CUDA_CONTEXT, device_model
+from autoremat.cli.commands import main
 from autoremat.examples import EXAMPLES
-from autoremat.optimizer_memory import optimizer_memory
+from autoremat.training.device_model import CUDA_CONTEXT, device_model
+from autoremat.training.optimizer_memory import optimizer_memory
+from autoremat.training.scale_batch import batch_size_of
 
 CASES = [("gpt2", "adamw"), ("cnn", "sgd"), ("mlp", None), ("looped", "adam"), ("hf-bert", "adamw")]
 
@@ -84,7 +84,7 @@ def test_measure_training_puts_the_model_back() -> None:
 def test_a_prediction_on_meta_is_the_prediction_on_real_tensors() -> None:
     model, args, kwargs = EXAMPLES["gpt2"]()
     real = autoremat.predict_training(model, args, kwargs, optimizer="adamw")
-    shadow = autoremat.device_fit.meta_shadow(model)
+    shadow = autoremat.training.fit.meta_shadow(model)
     meta_args = tuple(a.to("meta") for a in args)
     meta_kwargs = {k: v.to("meta") for k, v in kwargs.items()}
     on_meta = autoremat.predict_training(shadow, meta_args, meta_kwargs, optimizer="adamw")
@@ -204,7 +204,7 @@ def test_autocast_is_sized_on_meta_as_it_runs(name: str) -> None:
     model, args, kwargs = EXAMPLES[name]()
     spec = ("cpu", torch.bfloat16)
     real = autoremat.profile(model, args, kwargs, autocast=spec)
-    shadow = autoremat.device_fit.meta_shadow(model)
+    shadow = autoremat.training.fit.meta_shadow(model)
     on_meta = [tuple(a.to("meta") for a in args), {k: v.to("meta") for k, v in kwargs.items()}]
     meta = autoremat.profile(shadow, *on_meta, autocast=spec)
     float32 = autoremat.profile(shadow, *on_meta)
@@ -253,7 +253,7 @@ def test_autocast_and_device_memory_forms_are_checked_with_messages() -> None:
         autoremat.measure_training(model, args, kwargs, autocast="bf16")
     with pytest.raises(ValueError, match=r"device_memory '150%' is not understood"):
         autoremat.plan_for_device(model, args, kwargs, device_memory="150%")
-    shadow = autoremat.device_fit.meta_shadow(model)
+    shadow = autoremat.training.fit.meta_shadow(model)
     found = autoremat.fit(
         shadow, lambda b: autoremat.scale_batch(args, kwargs, b), device_memory="64MiB"
     )

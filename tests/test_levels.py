@@ -1,6 +1,6 @@
 """Claims 2 and 3 of the method (docs: /work/shared/patent-method.md), step by step.
 
-The walk under test (:func:`autoremat.strategies.levels.choose_levels`):
+The walk under test (:func:`autoremat.planning.strategies.levels.choose_levels`):
 
 - walk the levels in order, starting with the root;
 - at a level, a node whose children are *all leaves* is a split point, appended to a *mandatory
@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import autoremat
-from autoremat.strategies.levels import choose_levels
-from autoremat.tree import Node
+from autoremat.planning.strategies.levels import choose_levels
+from autoremat.record.tree import Node
 
 # --------------------------------------------------------------------------------------------
 # Helpers for hand-built trees

@@ -30,10 +30,10 @@ from torch.utils.checkpoint import (
 )
 
 from autoremat.examples import EXAMPLES
-from autoremat.measurement import Measurement, measure
-from autoremat.memory import LiveMemory
-from autoremat.step import default_loss
-from autoremat.wrap import apply, remove
+from autoremat.record.measure import Measurement, measure
+from autoremat.record.memory import LiveMemory
+from autoremat.record.step import default_loss
+from autoremat.wrap.wrapping import apply, remove
 
 MiB = 2**20
 A = 4 * MiB  # one activation, 2048 x 512 float32
@@ -385,7 +385,7 @@ def test_cuda_memory_figures_are_frozen_when_the_block_exits(monkeypatch):
     """``measure`` reads ``peak`` after its FLOP-counting and timing runs: the allocator's
     statistics must not leak those runs into the measurement (they did, on an H200: a budget
     plan's peak read 2515 MiB for a step that peaked at 1295 MiB). Faked allocator, no GPU."""
-    from autoremat.memory import CudaMemory
+    from autoremat.record.memory import CudaMemory
 
     state = {"allocated": 100, "max": 100}
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)

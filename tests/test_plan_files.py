@@ -20,10 +20,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import autoremat
-from autoremat import plan_json, wrap
-from autoremat.entries import covered, first_nested, inside
-from autoremat.plans import Choice, Plan, fingerprint, structure
-from autoremat.selective import DEFAULT_SAVE_OPS, check_names, resolve
+from autoremat import wrap
+from autoremat.core.entries import covered, first_nested, inside
+from autoremat.core.selective import DEFAULT_SAVE_OPS, check_names, resolve
+from autoremat.planning import plan_json
+from autoremat.planning.choice import Choice
+from autoremat.planning.fingerprint import fingerprint, structure
+from autoremat.planning.plans import Plan
 
 MiB = 2**20
 
@@ -239,10 +242,10 @@ def test_deep_nesting_is_refused_before_parsing(tmp_path: Path) -> None:
         Plan.load(path)
     deep = json.dumps(valid_plan()).replace('"budget": 1000', '"budget": ' + "[" * 40 + "]" * 40)
     with pytest.raises(ValueError, match="nested deeper than"):
-        plan_json.plan_from_json(deep)
+        Plan.from_json(deep)
     shallow = json.dumps(valid_plan()).replace('"budget": 1000', '"budget": [[["[[[[[["]]]')
     with pytest.raises(ValueError, match="field 'budget'"):
-        plan_json.plan_from_json(shallow)
+        Plan.from_json(shallow)
 
 
 def _depth(value: Any) -> int:
@@ -271,17 +274,17 @@ def test_the_scan_before_parsing_measures_depth_exactly(
         value = [value] if k % 2 else {'[\\"': value}
     text = json.dumps(value, ensure_ascii=ascii_only)
     with pytest.raises(ValueError) as info:
-        plan_json.plan_from_json(text)
-    assert ("nested deeper" in str(info.value)) == (_depth(value) > plan_json.MAX_DEPTH)
+        Plan.from_json(text)
+    assert ("nested deeper" in str(info.value)) == (_depth(value) > plan_json.MAX_JSON_DEPTH)
 
 
 def test_more_arrays_than_a_plan_has_are_refused_before_parsing() -> None:
     with peak_below(MiB), pytest.raises(ValueError, match="more than a plan has"):
-        plan_json.plan_from_json("[" + "[]," * 100_000 + "{}]")
+        Plan.from_json("[" + "[]," * 100_000 + "{}]")
     crowded = '"budget": [' + "[]," * 100 + "[]]"
     crowded = json.dumps(valid_plan()).replace('"budget": 1000', crowded)
     with pytest.raises(ValueError, match="more than a plan has"):
-        plan_json.plan_from_json(crowded)
+        Plan.from_json(crowded)
 
 
 def test_a_file_over_the_size_limit_is_refused(
@@ -513,7 +516,7 @@ def test_fuzz_a_mutated_valid_plan_loads_or_is_a_value_error(
         except (KeyError, IndexError, TypeError):
             continue  # an earlier change removed that place
     text = json.dumps(data)
-    for load in (lambda: Plan.from_dict(data), lambda: plan_json.plan_from_json(text)):
+    for load in (lambda: Plan.from_dict(data), lambda: Plan.from_json(text)):
         _loads_or_refuses(load)
 
 
@@ -534,7 +537,7 @@ def _loads_or_refuses(load: Callable[[], Plan]) -> None:
 @given(text=st.text(alphabet='{}[]",:0123456789.-eEnulltrfas \\', max_size=60))
 def test_fuzz_any_text_is_a_plan_or_a_value_error(text: str) -> None:
     with pytest.raises(ValueError):
-        plan_json.plan_from_json(text)
+        Plan.from_json(text)
 
 
 def test_a_made_plan_round_trips_through_its_data() -> None:

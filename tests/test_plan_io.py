@@ -13,8 +13,10 @@ from torch import nn
 
 import autoremat
 from autoremat.examples import EXAMPLES
-from autoremat.plans import FORMAT, Plan, fingerprint, structure
-from autoremat.wrap import wrapped_paths
+from autoremat.planning.fingerprint import fingerprint, structure
+from autoremat.planning.plan_json import FORMAT
+from autoremat.planning.plans import Plan
+from autoremat.wrap.checkpointed import wrapped_paths
 from conftest import assert_same_step
 
 

@@ -162,8 +162,8 @@ def nested_blocks() -> nn.Sequential:
 
 def forward_moments(model: nn.Module, x: torch.Tensor) -> dict[int, int]:
     """The most live bytes at each point of the forward (``p``: module calls ended before)."""
-    from autoremat.memory import LiveMemory
-    from autoremat.step import default_loss, train_step
+    from autoremat.record.memory import LiveMemory
+    from autoremat.record.step import default_loss, train_step
 
     memory, most, ended, on = LiveMemory(), {}, [0], [True]
 
@@ -202,7 +202,7 @@ def test_a_checkpointed_forward_is_priced_point_by_point(entries, selective):
     checkpoint drops it) and a selective one's cached outputs are held: at every point of the
     forward the profile's prediction is never under the measured live bytes, and just after
     block 1's first part ends both are 8 MiB below the step without recompute."""
-    from autoremat.planning_tree import planning_tree
+    from autoremat.planning.planning_tree import planning_tree
 
     model, x = nested_blocks(), torch.randn(2048, 512)
     prof = autoremat.profile(model, (x,))
@@ -245,8 +245,8 @@ def test_a_checkpointed_forward_is_priced_point_by_point(entries, selective):
 def test_predicted_step_peak_is_the_measured_one_on_nested_blocks(entries, selective):
     """The whole model, recompute peaks included: the prediction for a set of entries (whole
     or selective) is the measured peak of the step, to the byte."""
-    from autoremat.planning_tree import planning_tree
-    from autoremat.solver import predict_peak
+    from autoremat.planning.planning_tree import planning_tree
+    from autoremat.planning.solver import predict_peak
 
     model, x = nested_blocks(), torch.randn(2048, 512)
     prof = autoremat.profile(model, (x,))

@@ -25,10 +25,10 @@ from torch import nn
 
 import autoremat
 from autoremat import wrap
-from autoremat.planning_tree import planning_tree
-from autoremat.plans import Plan
-from autoremat.strategies.levels import choose_levels
-from autoremat.tree import Node
+from autoremat.planning.planning_tree import planning_tree
+from autoremat.planning.plans import Plan
+from autoremat.planning.strategies.levels import choose_levels
+from autoremat.record.tree import Node
 from conftest import assert_same_step
 
 WIDTH = 32

@@ -24,10 +24,10 @@ from torch import nn
 
 import autoremat
 from autoremat import wrap
+from autoremat.core.selective import WAYS, op_name
 from autoremat.examples import EXAMPLES
-from autoremat.planning_tree import planning_tree
-from autoremat.plans import Plan
-from autoremat.selective import WAYS, op_name
+from autoremat.planning.planning_tree import planning_tree
+from autoremat.planning.plans import Plan
 from conftest import assert_same_step
 
 MiB = 2**20
@@ -333,8 +333,7 @@ def test_ops_that_draw_random_numbers_are_always_recomputed():
 def test_per_op_overheads_are_measured_and_selective_costs_more(monkeypatch):
     import torch.utils.checkpoint as torch_checkpoint
 
-    from autoremat.costs import DEFAULT_OVERHEADS, overheads
-    from autoremat.costs.timing import per_op
+    from autoremat.record.timing import DEFAULT_OVERHEADS, overheads, per_op
 
     # The arithmetic on fixed step times: what checkpoint and selective checkpointing add over
     # the plain chain, per op; never negative, and selective never below checkpoint.
@@ -376,8 +375,8 @@ def test_time_objective_prices_selective_checkpointing_by_its_overhead():
     no matmuls) the cheapest; a large one rules them out. By FLOPs they win either way."""
     import dataclasses
 
-    from autoremat.planning_tree import planning_tree
-    from autoremat.solver import solve
+    from autoremat.planning.planning_tree import planning_tree
+    from autoremat.planning.solver import solve
 
     # Profiled on meta: op times are then estimated from FLOPs and bytes written, the same on
     # every run. Times measured on a busy machine could make a whole recompute look cheaper
@@ -421,7 +420,7 @@ def test_the_cache_is_emptied_when_the_recompute_ends():
     empties the cache when the recompute ends."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    from autoremat.selective import context_fn
+    from autoremat.core.selective import context_fn
 
     block = toy(nn.GELU)[0]
     made: list[tuple] = []

@@ -2,8 +2,9 @@
 encoder-decoder models with caches, frozen models with LoRA-like adapters, saved-tensor hooks.
 
 Every test compares one training step of the wrapped model with the same step of the unwrapped
-model under the same setup. Where bitwise equality holds (it does for every eager case here,
-bf16 autocast included) it is asserted as such.
+model under the same setup, and proves that every entry was recomputed (a wrap that
+recomputed nothing would pass the comparison). Where bitwise equality holds (it does for every
+eager case here, bf16 autocast included) it is asserted as such.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +24,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import CheckpointError
 
 import autoremat
-from conftest import tiny_llama
+from conftest import recomputed_step, tiny_llama
 
 BF16 = torch.bfloat16
 
@@ -61,10 +64,11 @@ def _assert_identical(
     atol: float = 0.0,
 ) -> int:
     """The two models' steps give equal loss, gradients and buffers: bitwise by default, else
-    within ``rtol``/``atol`` (buffers always bitwise). Returns the number of parameters that
-    received a gradient (asserted > 0)."""
+    within ``rtol``/``atol`` (buffers always bitwise), and every entry of ``wrapped`` was
+    recomputed in its step. Returns the number of parameters that received a gradient
+    (asserted > 0)."""
     loss_ref, grads_ref, buffers_ref = _step(reference, reference_forward or forward, around)
-    loss, grads, buffers = _step(wrapped, forward, around)
+    loss, grads, buffers = recomputed_step(wrapped, lambda: _step(wrapped, forward, around))
     torch.testing.assert_close(loss, loss_ref, rtol=rtol, atol=atol)
     assert grads.keys() == grads_ref.keys()
     trained = 0
@@ -419,7 +423,7 @@ def test_encoder_decoder_with_the_cache_hook_removed_fails_clearly(name):
     saved", the input check did not look deep enough to reach the cache's tensors)."""
     model, kwargs, labels = _seq2seq(name)
     autoremat.plan(model, (), kwargs, segments=3).apply(model)
-    autoremat.huggingface.remove_cache_hooks(model)  # the top model's hook, and the stacks'
+    autoremat.core.huggingface.remove_cache_hooks(model)  # the top model's hook, and the stacks'
     loss = F.cross_entropy(model(**kwargs).logits.flatten(0, 1), labels.flatten())
     with pytest.raises(CheckpointError, match=r"decoder\.(block|layers)\.2'.*\['cache'\]"):
         loss.backward()
@@ -514,11 +518,15 @@ def test_save_on_cpu_and_other_saved_tensor_hooks_around_a_wrapped_model():
 
 
 def test_a_positional_input_changed_in_place_is_still_caught():
-    """Positional tensors are left to checkpoint's own version check (see the test above)."""
+    """Positional tensors are left to checkpoint's own version check (see the test above): the
+    error comes from checkpoint fetching the recompute's inputs (unwrapped, autograd's own
+    check would raise the same message)."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     autoremat.wrap.apply(model, ["1"])
     h = model[0](torch.randn(2, 4))
     out = model[1](h)
     h.mul_(2)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
         out.sum().backward()
+    where = [Path(f.filename).name for f in traceback.extract_tb(caught.value.__traceback__)]
+    assert "checkpoint.py" in where, where

@@ -13,6 +13,8 @@ from torch.utils.checkpoint import CheckpointError
 
 import autoremat
 from autoremat import wrap
+from autoremat.wrap import checkpointed
+from autoremat.wrap.checkpointed import Checkpointed, CheckpointedRuns
 from autoremat.examples import EXAMPLES
 from conftest import assert_same_step, train_step
 
@@ -61,19 +63,19 @@ def test_wrapping_follows_claim_4(monkeypatch):
     calls torch.utils.checkpoint.checkpoint (non-reentrant) with a function that runs the
     module's own forward."""
     calls = []
-    real = wrap.checkpoint
+    real = checkpointed.checkpoint
 
     def spy(fn, *args, **kwargs):
         calls.append(kwargs)
         return real(fn, *args, **kwargs)
 
-    monkeypatch.setattr(wrap, "checkpoint", spy)
+    monkeypatch.setattr(checkpointed, "checkpoint", spy)
     model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 1))
     wrap.apply(model, ["0"])
     inner = model[0]
     assert isinstance(inner, nn.Module)
     assert isinstance(inner, nn.Sequential)
-    assert isinstance(inner, wrap.Checkpointed)
+    assert isinstance(inner, Checkpointed)
     assert type(inner).__name__ == "CheckpointedSequential"
     model(torch.randn(2, 4, requires_grad=True)).sum().backward()
     assert len(calls) == 1
@@ -115,7 +117,7 @@ def test_apply_twice_is_a_no_op_and_another_plan_is_refused():
     blocks = autoremat.plan(model, args, kwargs, segments=3)
     blocks.apply(model)
     blocks.apply(model)
-    assert type(model.h[0]).__mro__.count(wrap.Checkpointed) == 1
+    assert type(model.h[0]).__mro__.count(Checkpointed) == 1
     other = autoremat.plan(reference, args, kwargs, segments=0)
     with pytest.raises(ValueError, match="remove"):
         other.apply(model)
@@ -255,7 +257,7 @@ def test_hf_cache_is_turned_off_in_training_and_kept_otherwise(caplog):
     kwargs = {**kwargs, "use_cache": True}
     reference = copy.deepcopy(model)
     autoremat.plan(model, args, kwargs, segments=3).apply(model)
-    autoremat.huggingface._warned.clear()  # the warning is logged once per process
+    autoremat.core.huggingface._warned.clear()  # the warning is logged once per process
     with caplog.at_level(logging.WARNING, logger="autoremat"):
         assert_same_step(reference, model, args, kwargs)
     assert "use_cache=False" in caplog.text
@@ -317,7 +319,7 @@ def test_runs_of_sequential_children_are_recomputed_as_one():
     x = (torch.randn(32, 8),)
     wrap.apply(model, ["1[0:4]", "[2:3]"])
     assert set(autoremat.wrapped_paths(model)) == {"1[0:4]", "[2:3]"}
-    assert isinstance(model[1], wrap.CheckpointedRuns) and isinstance(model, nn.Sequential)
+    assert isinstance(model[1], CheckpointedRuns) and isinstance(model, nn.Sequential)
     assert list(model.state_dict()) == keys
     assert_same_step(reference, model, x, {})
     assert int(model[1][1].num_batches_tracked) == 1

@@ -22,8 +22,9 @@ import pytest
 import torch
 from torch import nn
 
-from autoremat import huggingface, wrap
-from autoremat.classes import Hook, is_wrapped
+from autoremat import wrap
+from autoremat.core import huggingface
+from autoremat.core.classes import Hook, is_wrapped
 from conftest import assert_same_step
 
 ENTRIES = ["inp", "blocks[0:2]", "blocks[3:5]", "out"]

@@ -18,22 +18,26 @@ and ``replay`` (what a recompute sees), ``measurement`` (``measure()``), ``compi
 (``torch.compile``d models).
 """
 
-from autoremat.batch_inputs import scale_batch
-from autoremat.compile_plan import plan_for_compile
-from autoremat.costs import NodeCost, Profile, WayCost, profile
-from autoremat.device_fit import Fit, fit, plan_for_device
-from autoremat.distributed import broadcast_plan
-from autoremat.measurement import Measurement, measure
-from autoremat.memory import LiveMemory
-from autoremat.planner import lowest_budget, plan
-from autoremat.plans import Choice, Plan
-from autoremat.replay import is_recomputing
-from autoremat.step import default_loss
-from autoremat.strategies.budget import BudgetTooLow
-from autoremat.training_memory import TrainingMeasurement, measure_training
-from autoremat.tree import ExampleInputsError, Node, TensorInfo, build_tree
-from autoremat.whole_step import StepMemory, predict_training
-from autoremat.wrap import remove, wrapped_paths
+from autoremat.costs.profile import NodeCost, Profile, WayCost, profile
+from autoremat.planning.broadcast_plan import broadcast_plan
+from autoremat.planning.choice import Choice
+from autoremat.planning.plan import lowest_budget, plan
+from autoremat.planning.plan_for_compile import plan_for_compile
+from autoremat.planning.plans import Plan
+from autoremat.planning.strategies.budget import BudgetTooLow
+from autoremat.record.measure import Measurement, measure
+from autoremat.record.memory import LiveMemory
+from autoremat.record.step import default_loss
+from autoremat.record.tree import ExampleInputsError, Node, TensorInfo, build_tree
+from autoremat.training.fit import Fit, fit
+from autoremat.training.measure_training import TrainingMeasurement, measure_training
+from autoremat.training.plan_for_device import plan_for_device
+from autoremat.training.predict_training import predict_training
+from autoremat.training.scale_batch import scale_batch
+from autoremat.training.step_memory import StepMemory
+from autoremat.wrap.checkpointed import wrapped_paths
+from autoremat.wrap.replay import is_recomputing
+from autoremat.wrap.wrapping import remove
 
 __all__ = [
     "BudgetTooLow",

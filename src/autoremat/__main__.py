@@ -2,6 +2,6 @@
 
 import sys
 
-from autoremat.cli import main
+from autoremat.cli.commands import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""Whether a strategy trains as the baseline does: one step of each from the same seed, then the
+"""Whether a contender trains as the baseline does: one step of each from the same seed, then the
 loss, every parameter's gradient and every buffer compared."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ import math
 import torch
 from torch import nn
 
-from autoremat.comparison.strategies import Args, Kwargs, unwrap
-from autoremat.snapshot import preserved
-from autoremat.step import LossFn, train_step
+from autoremat.comparison.applied import Args, Kwargs
+from autoremat.comparison.contenders import unwrap
+from autoremat.record.snapshot import preserved
+from autoremat.record.step import LossFn, train_step
 
-__all__ = ["ATOL", "RTOL", "StepResult", "check_grads", "one_step", "worst_error"]
+__all__ = ["ATOL", "RTOL", "StepResult", "check_grads", "identical", "one_step", "worst_error"]
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -112,3 +113,21 @@ def worst_error(reference: StepResult, result: StepResult) -> float:
         if g0 is not None or g1 is not None:
             errors.append(_relative_error(g1, g0))
     return max(errors)
+
+
+def identical(reference: StepResult, result: StepResult) -> bool:
+    """Whether ``result`` has ``reference``'s loss, every gradient and every buffer, bit for
+    bit (the same parameters and buffers by name, a gradient ``None`` in both or in neither)."""
+    loss0, grads0, buffers0 = reference
+    loss1, grads1, buffers1 = result
+    if grads0.keys() != grads1.keys() or buffers0.keys() != buffers1.keys():
+        return False
+    if not torch.equal(loss0, loss1):
+        return False
+    for name, g in grads0.items():
+        h = grads1[name]
+        if (g is None) != (h is None):
+            return False
+        if g is not None and h is not None and not torch.equal(g, h):
+            return False
+    return all(torch.equal(b, buffers1[name]) for name, b in buffers0.items())

@@ -1,5 +1,5 @@
-"""Running strategies side by side: :func:`compare` (and :func:`bench_target`, the ``autoremat
-bench`` set of strategies) applies each strategy to a fresh copy of the model, measures one
+"""Running contenders side by side: :func:`compare` (and :func:`bench_target`, the ``autoremat
+bench`` set of contenders) applies each contender to a fresh copy of the model, measures one
 step, checks its gradients against the baseline's, times interleaved steps, and makes the
 :class:`~autoremat.comparison.Row` objects."""
 
@@ -10,7 +10,6 @@ import dataclasses
 import gc
 import math
 import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,41 +17,36 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoremat import wrap
-from autoremat.comparison.gradients import StepResult, check_grads, one_step, worst_error
-from autoremat.comparison.inductor import compiled
-from autoremat.comparison.row import Row
-from autoremat.comparison.saved import saved_by_autograd
-from autoremat.comparison.strategies import (
-    BASELINE,
-    Applied,
-    Args,
-    Kwargs,
-    MiB,
-    Strategy,
-    as_applied,
-    budget,
+from autoremat.comparison.applied import BASELINE, Applied, Args, Contender, Kwargs, MiB, as_applied
+from autoremat.comparison.contenders import (
+    budget_plan,
     describe_paths,
     every_block,
-    levels,
+    levels_plan,
     no_recompute,
     plan_without_tree,
     sqrt_segments,
     unwrap,
 )
-from autoremat.measurement import measure
-from autoremat.progress import Progress
-from autoremat.snapshot import preserved
-from autoremat.step import LossFn, default_loss, train_step
+from autoremat.comparison.gradients import StepResult, check_grads, identical, one_step, worst_error
+from autoremat.comparison.inductor import compiled
+from autoremat.comparison.row import Row
+from autoremat.comparison.saved import saved_by_autograd
+from autoremat.core.clock import timed
+from autoremat.core.progress import Progress
+from autoremat.record.measure import measure
+from autoremat.record.snapshot import preserved
+from autoremat.record.step import LossFn, default_loss, train_step
+from autoremat.wrap.checkpointed import selective_paths, wrapped_paths
 
 __all__ = ["bench_target", "compare"]
 
 
 @dataclass
 class _Entry:
-    """One strategy while it is compared: what it made, and what was measured of it."""
+    """One contender while it is compared: what it made, and what was measured of it."""
 
-    strategy: Strategy
+    contender: Contender
     applied: Applied | None
     modules: frozenset[str] = frozenset()
     selective: frozenset[str] = frozenset()  # the modules recomputed selectively
@@ -65,6 +59,7 @@ class _Entry:
     times: list[float] = dataclasses.field(default_factory=list)
     grads_match: bool = False
     grads_error: float | None = None
+    identical: bool = False
     duplicates: list[str] = dataclasses.field(default_factory=list)
     # the model to run: applied.model, None once its step failed (then neither timed nor
     # counted as compiled)
@@ -81,31 +76,31 @@ class _Entry:
 
 
 def _prepare(
-    strategy: Strategy, model: nn.Module, args: Args, kwargs: Kwargs, earlier: list[_Entry]
+    contender: Contender, model: nn.Module, args: Args, kwargs: Kwargs, earlier: list[_Entry]
 ) -> _Entry | None:
-    """Apply ``strategy`` to a deep copy; ``None`` when it does not apply or is a duplicate."""
+    """Apply ``contender`` to a deep copy; ``None`` when it does not apply or is a duplicate."""
     try:
         with torch.random.fork_rng(devices=[]):
-            applied = as_applied(strategy.apply(copy.deepcopy(model), args, kwargs))
+            applied = as_applied(contender.apply(copy.deepcopy(model), args, kwargs))
     except Exception as exc:
-        if strategy.name == BASELINE:
+        if contender.name == BASELINE:
             raise
-        return _Entry(strategy, None, error=f"{type(exc).__name__}: {exc}")
+        return _Entry(contender, None, error=f"{type(exc).__name__}: {exc}")
     if applied is None:
         return None
-    entry = _Entry(strategy, applied)
-    entry.modules = frozenset(wrap.wrapped_paths(unwrap(applied.model)))
-    entry.selective = frozenset(wrap.selective_paths(unwrap(applied.model)))
+    entry = _Entry(contender, applied)
+    entry.modules = frozenset(wrapped_paths(unwrap(applied.model)))
+    entry.selective = frozenset(selective_paths(unwrap(applied.model)))
     for other in earlier:
         if not entry.modules or (other.modules, other.selective) != (
             entry.modules,
             entry.selective,
         ):
             continue
-        if strategy.dedupe:
-            other.duplicates.append(strategy.name)
+        if contender.dedupe:
+            other.duplicates.append(contender.name)
             return None
-        entry.notes.append(f"same modules as {other.strategy.name}")
+        entry.notes.append(f"same modules as {other.contender.name}")
     entry.notes[:0] = _first_notes(entry, applied)
     return entry
 
@@ -146,17 +141,11 @@ def _measure(entry: _Entry, args: Args, kwargs: Kwargs, loss_fn: LossFn, memory:
 def _timed_step(entry: _Entry, args: Args, kwargs: Kwargs, loss_fn: LossFn) -> float:
     """Seconds of one training step of ``entry``'s model, which is left as found."""
     assert entry.model is not None
-    inner = unwrap(entry.model)
-    # CUDA kernels run asynchronously: wait for the GPU on both sides of the timed step.
-    cuda = torch.cuda.is_initialized()
-    with preserved(inner):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        train_step(entry.model, args, kwargs, loss_fn)
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+    model = entry.model
+    with preserved(unwrap(model)):
+        # (CUDA kernels run asynchronously: the timer waits for the GPU on both sides)
+        step = lambda: train_step(model, args, kwargs, loss_fn)  # noqa: E731
+        return timed(step, torch.cuda.is_initialized())[1]
 
 
 def _ratio(x: float | None, base: float | None) -> float | None:
@@ -195,7 +184,7 @@ def _rows(label: str, entries: list[_Entry]) -> list[Row]:
         rows.append(
             Row(
                 model=label,
-                strategy=e.strategy.name,
+                strategy=e.contender.name,
                 peak=e.peak,
                 saved=e.saved,
                 autograd_saved=e.autograd_saved,
@@ -209,6 +198,7 @@ def _rows(label: str, entries: list[_Entry]) -> list[Row]:
                 time_ratio=_ratio(seconds, base_seconds),
                 grads_match=e.grads_match,
                 grads_error=e.grads_error,
+                identical=e.identical,
                 note=_note(e),
                 compiled=e.compiled,
                 plan=plan_without_tree(e.applied.plan) if e.applied else None,
@@ -238,9 +228,10 @@ def _check(
             reference = result
         entry.grads_match, notes = check_grads(reference, result)
         entry.grads_error = worst_error(reference, result)
+        entry.identical = identical(reference, result)
         entry.notes += notes
     except Exception as exc:
-        if entry.strategy.name == BASELINE:
+        if entry.contender.name == BASELINE:
             raise ValueError(f"the baseline step of {label} failed: {exc}") from exc
         entry.error = f"{type(exc).__name__}: {exc}"
         entry.model = None
@@ -248,9 +239,9 @@ def _check(
 
 
 class _Stages:
-    """The stages of one comparison (each strategy, each timing round) as they go: a line
+    """The stages of one comparison (each contender, each timing round) as they go: a line
     ``"{label}: {stage}"`` to ``progress`` as each begins when it is given, else a
-    :class:`autoremat.progress.Progress` bar of ``total`` stages on stderr (drawn only on a
+    :class:`autoremat.core.progress.Progress` bar of ``total`` stages on stderr (drawn only on a
     terminal), stepped as each ends, its note naming the stage under way."""
 
     def __init__(self, label: str, total: int, progress: Callable[[str], None] | None) -> None:
@@ -294,13 +285,13 @@ def _time(
             entry.notes.append(f"recompiled while timing ({info.graphs} graphs)")
 
 
-def _ordered(strategies: Iterable[Strategy]) -> list[Strategy]:
-    """The strategies, the baseline first (:func:`no_recompute` added when none is named
+def _ordered(contenders: Iterable[Contender]) -> list[Contender]:
+    """The contenders, the baseline first (:func:`no_recompute` added when none is named
     ``none``), the others in the order given."""
-    ordered = list(strategies)
+    ordered = list(contenders)
     if not any(s.name == BASELINE for s in ordered):
         ordered.insert(0, no_recompute())
-    # The baseline runs first so that every other strategy can be checked against it.
+    # The baseline runs first so that every other contender can be checked against it.
     ordered.sort(key=lambda s: s.name != BASELINE)
     return ordered
 
@@ -309,7 +300,7 @@ def compare(
     model: nn.Module,
     args: Args | Any = (),
     kwargs: Kwargs | None = None,
-    strategies: Iterable[Strategy] = (),
+    contenders: Iterable[Contender] = (),
     *,
     loss_fn: LossFn | None = None,
     repeats: int = 5,
@@ -317,42 +308,42 @@ def compare(
     progress: Callable[[str], None] | None = None,
     memory: str = "tensors",
 ) -> list[Row]:
-    """Run each strategy on a fresh deep copy of ``model`` and measure one training step.
+    """Run each contender on a fresh deep copy of ``model`` and measure one training step.
 
-    Returns one :class:`Row` per strategy that applies, in the order given, the baseline
-    (:func:`no_recompute`, added first when ``strategies`` has no strategy named ``none``)
-    included; a strategy whose ``apply`` or step raises gets one with the error in its note.
+    Returns one :class:`Row` per contender that applies, in the order given, the baseline
+    (:func:`no_recompute`, added first when ``contenders`` has no contender named ``none``)
+    included; a contender whose ``apply`` or step raises gets one with the error in its note.
     ``model`` itself is never run or changed. ``name`` labels the rows (default: the class).
-    ``progress`` receives a line per stage (each strategy, each timing round); without it, a
-    :class:`autoremat.progress.Progress` bar on stderr (on a terminal) counts the stages.
+    ``progress`` receives a line per stage (each contender, each timing round); without it, a
+    :class:`autoremat.core.progress.Progress` bar on stderr (on a terminal) counts the stages.
 
-    ``repeats`` timed steps per strategy are interleaved (one step of each strategy per round,
-    the order reversed every other round), so that a noisy machine disturbs every strategy
-    alike. ``memory`` says how eager strategies' memory is measured (:func:`autoremat.measure`:
-    ``"tensors"``, or ``"allocator"`` to compare them with compiled ones, which are always
-    measured by the allocator). Compiled strategies leave dynamo's caches filled;
-    :func:`torch._dynamo.reset` is called at the end when any strategy was compiled.
+    ``repeats`` timed steps per contender (0: none, ``seconds`` is then ``None``) are
+    interleaved (one step of each contender per round, the order reversed every other round),
+    so that a noisy machine disturbs every contender alike. ``memory`` says how eager
+    contenders' memory is measured (:func:`autoremat.measure`: ``"tensors"``, or
+    ``"allocator"`` to compare them with compiled ones, which are always measured by the
+    allocator). Compiled contenders leave dynamo's caches filled;
+    :func:`torch._dynamo.reset` is called at the end when any contender was compiled.
 
     Raises:
-        ValueError: ``repeats`` is below 1, or the baseline itself fails.
+        ValueError: ``repeats`` is negative, or the baseline itself fails.
     """
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if not isinstance(repeats, int) or repeats < 0:
+        raise ValueError(f"repeats must be an int >= 0, got {repeats!r}")
     if not isinstance(args, tuple):
         args = (args,)
     kwargs = {} if kwargs is None else kwargs
     loss_fn = default_loss if loss_fn is None else loss_fn
     label = name or type(model).__name__
-    ordered = _ordered(strategies)
+    ordered = _ordered(contenders)
     stages = _Stages(label, len(ordered) + repeats, progress)
 
     entries: list[_Entry] = []
-    reference = None
-    compiled_any = False
+    reference, compiled_any = None, False
     try:
-        for strategy in ordered:
-            stages.begin(strategy.name)
-            entry = _prepare(strategy, model, args, kwargs, entries)
+        for contender in ordered:
+            stages.begin(contender.name)
+            entry = _prepare(contender, model, args, kwargs, entries)
             if entry is None:
                 continue
             compiled_any = compiled_any or entry.compiled
@@ -377,14 +368,18 @@ def bench_target(
     repeats: int = 3,
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
+    loss_fn: LossFn | None = None,
 ) -> list[Row]:
     """The ``autoremat bench`` comparison: none, every block, sqrt segments (chains only),
     levels at segments 1, 4 and 16 (a plan identical to an earlier row's is dropped), budget
     plans at 75%, 50%, 25% and the lowest budget and, with ``compile=True``, ``torch.compile``
     at each of ``budgets`` (a cold compile takes up to a minute each). See :func:`compare`."""
-    strategies = [no_recompute(), every_block(), sqrt_segments()]
-    strategies += [levels(k) for k in (1, 4, 16)]
-    strategies += [budget(f) for f in (0.75, 0.5, 0.25)] + [budget("min")]
+    contenders = [no_recompute(), every_block(), sqrt_segments()]
+    contenders += [levels_plan(k) for k in (1, 4, 16)]
+    contenders += [budget_plan(f) for f in (0.75, 0.5, 0.25)] + [budget_plan("min")]
     if compile:
-        strategies += [compiled(b) for b in budgets]
-    return compare(model, args, kwargs, strategies, repeats=repeats, name=name, progress=progress)
+        contenders += [compiled(b) for b in budgets]
+    return compare(
+        model, args, kwargs, contenders, loss_fn=loss_fn, repeats=repeats, name=name,
+        progress=progress,
+    )

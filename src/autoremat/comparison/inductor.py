@@ -1,4 +1,4 @@
-"""``torch.compile`` (inductor) as a strategy, with ``activation_memory_budget``: the min-cut
+"""``torch.compile`` (inductor) as a contender, with ``activation_memory_budget``: the min-cut
 partitioner then decides what to recompute.
 
 A compiled model cannot be measured by a dispatch mode (dynamo runs the original Python code
@@ -12,39 +12,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from autoremat.comparison.strategies import Applied, Args, Kwargs, Strategy, as_applied
-from autoremat.snapshot import preserved
-from autoremat.step import LossFn, default_loss, train_step
+from autoremat.comparison.applied import Applied, Args, CompileInfo, Contender, Kwargs, as_applied
+from autoremat.record.snapshot import preserved
+from autoremat.record.step import LossFn, default_loss, train_step
 
-__all__ = ["CompileInfo", "compiled", "graph_flops"]
-
-
-@dataclass
-class CompileInfo:
-    """What compiling one model took and made.
-
-    Attributes:
-        budget: the ``activation_memory_budget`` it was compiled under.
-        graphs: graphs inductor compiled so far (forward and backward count one each).
-        flops: FLOPs of those graphs (:func:`graph_flops`); ``None`` once a graph could not be
-            counted.
-        compile_seconds: the warm-up step, cold compile included.
-        calls_after_warmup: ``graphs`` after the warm-up step; more later means it recompiled.
-        warm_flops: ``flops`` after the warm-up step: the FLOPs of one step.
-    """
-
-    budget: float
-    graphs: int = 0
-    flops: int | None = 0
-    compile_seconds: float = 0.0
-    calls_after_warmup: int = 0
-    warm_flops: int | None = None
+__all__ = ["compiled", "graph_flops"]
 
 
 def graph_flops(gm: torch.fx.GraphModule) -> int:
@@ -91,11 +68,11 @@ def compiled(
     *,
     loss_fn: LossFn | None = None,
     fallback_random: bool = True,
-    first: Strategy | None = None,
-) -> Strategy:
+    first: Contender | None = None,
+) -> Contender:
     """``torch.compile(model)`` (inductor) with ``activation_memory_budget=budget`` while it
     compiles: one warm-up step (forward and backward) runs in ``apply``, so the cold compile is
-    not timed (its seconds go to the row's note). With ``first``, that strategy is applied to
+    not timed (its seconds go to the row's note). With ``first``, that contender is applied to
     the model before it is compiled (an autoremat plan, Hugging Face's checkpointing): the row
     is named ``"{first} + compile"`` and keeps its plan and predicted peak. The row's figures
     come from the allocator (:func:`autoremat.measure` of a compiled model); its FLOPs are
@@ -143,4 +120,4 @@ def compiled(
     name = f"compile b={budget:g}" if first is None else f"{first.name} + compile"
     if first is not None and budget != 1.0:
         name += f" b={budget:g}"
-    return Strategy(name, apply)
+    return Contender(name, apply)

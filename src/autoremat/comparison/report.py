@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from autoremat.comparison.applied import MiB
 from autoremat.comparison.row import Row
-from autoremat.comparison.strategies import MiB
 
 __all__ = ["MARKDOWN_COLUMNS", "to_markdown"]
 
@@ -66,7 +66,7 @@ def to_markdown(rows: Sequence[Row]) -> str:
     """A Markdown table of :data:`MARKDOWN_COLUMNS`: one line per row, in order; sizes in MiB,
     ratios to the model's ``none`` row, ``n/a`` for a figure that is ``None``, ``ms/step`` with
     ± half the timed steps' range relative to the median, ``grads`` ``ok`` or ``DIFFER``
-    (``n/a`` when the strategy failed), ``|`` in notes escaped."""
+    (``n/a`` when the contender failed), ``|`` in notes escaped."""
     lines = [
         "| " + " | ".join(MARKDOWN_COLUMNS) + " |",
         "|" + "|".join("---" if i < 2 or i >= 12 else "---:" for i in range(14)) + "|",

@@ -1,20 +1,20 @@
-"""One result of a comparison: one strategy on one model."""
+"""One result of a comparison: one contender on one model."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from autoremat.plans import Plan
+from autoremat.planning.plans import Plan
 
 __all__ = ["Row"]
 
 
 @dataclass
 class Row:
-    """One strategy on one model. Byte counts are ints, ratios are relative to the ``none`` row
-    of the same model; ``None`` where a figure is unknown (every figure of a strategy that
-    failed).
+    """One contender on one model (``strategy``: the contender's name, the column of the
+    tables). Byte counts are ints, ratios are relative to the ``none`` row of the same model;
+    ``None`` where a figure is unknown (every figure of a contender that failed).
 
     Attributes:
         peak: bytes alive at most during the step, above what existed before it
@@ -36,10 +36,12 @@ class Row:
         grads_error: the worst relative error of the loss and the gradients against the
             baseline's (:func:`autoremat.comparison.gradients.worst_error`): rounding (about
             1e-5 and below) tells apart from another computation (about 1).
-        note: what else is known, ``; ``-separated: what the strategy wraps, a budget plan's
+        note: what else is known, ``; ``-separated: what the contender wraps, a budget plan's
             predicted peak and its error, what differs from the baseline, why it failed.
-        compiled: the strategy ran through ``torch.compile``.
-        plan: the :class:`autoremat.Plan` the strategy applied (``levels``, ``budget``), without
+        compiled: the contender ran through ``torch.compile``.
+        identical: one step from the same seed gave the baseline's loss, every gradient and
+            every buffer bit for bit (:func:`autoremat.comparison.gradients.identical`).
+        plan: the :class:`autoremat.Plan` the contender applied (``levels``, ``budget``), without
             its ``tree``; ``None`` for the others. Not one of the figures (no table or CSV
             shows it; rows compare equal whatever it is).
     """
@@ -61,4 +63,5 @@ class Row:
     grads_error: float | None = None
     note: str = ""
     compiled: bool = False
+    identical: bool = False
     plan: Plan | None = dataclasses.field(default=None, repr=False, compare=False)

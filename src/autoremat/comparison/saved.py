@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoremat.comparison.strategies import Args, Kwargs
-from autoremat.nested import iter_tensors, run_model, storage_key
-from autoremat.snapshot import preserved
-from autoremat.step import LossFn, default_loss
+from autoremat.comparison.applied import Args, Kwargs
+from autoremat.core.nested import iter_tensors, run_model, storage_key
+from autoremat.record.snapshot import preserved
+from autoremat.record.step import LossFn, default_loss
 
 __all__ = ["saved_by_autograd"]
 
@@ -42,7 +42,7 @@ def saved_by_autograd(
     still once, so that an eager model recomputed selectively is measured on the same basis
     as a compiled one (everything kept from the forward for backward, less parameters and
     inputs). No backward runs; the model is left as found (see
-    :func:`autoremat.snapshot.preserved`).
+    :func:`autoremat.record.snapshot.preserved`).
     """
     loss_fn = default_loss if loss_fn is None else loss_fn
     known = {

@@ -1,12 +1,9 @@
-"""What recompute would cost: recording a step, the cost model, the profile.
+"""The cost model: from a recorded step (:mod:`autoremat.record.recording`), what recomputing
+each node would free, hold and peak at, and what it would cost.
 
-``recording`` runs one training step and records it; ``timeline`` places every module on the
-step's memory timeline; ``model`` derives what recomputing each module frees, holds and peaks
-at; ``timing`` times the ops and a recompute's per-op overheads; ``profiles`` assembles them into
-a :class:`Profile`. Nothing here imports the solver or the wrap.
+``timeline`` places every node on the step's memory timeline; ``model`` derives what
+recomputing each node frees, holds and peaks at (pure functions); ``profile`` records the
+step, times its ops and assembles the figures into a :class:`~autoremat.costs.profile.Profile`
+of :class:`~autoremat.costs.profile.NodeCost` objects. Nothing here imports the solver, the
+plan or the wrap.
 """
-
-from autoremat.costs.profiles import NodeCost, Profile, WayCost, profile
-from autoremat.costs.timing import DEFAULT_OVERHEADS, overheads
-
-__all__ = ["DEFAULT_OVERHEADS", "NodeCost", "Profile", "WayCost", "overheads", "profile"]

@@ -1,6 +1,6 @@
 """The cost model: from a recorded step, what recomputing each node frees, holds and peaks at.
 
-Every function here is pure: it reads a :class:`~autoremat.costs.recording.Recording` and its
+Every function here is pure: it reads a :class:`~autoremat.record.recording.Recording` and its
 :class:`~autoremat.costs.timeline.Timeline` and returns figures. ``docs/cost-model.md`` gives
 the reasoning and the measured error; in short, for a node checkpointed:
 
@@ -29,14 +29,15 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from autoremat.costs.recording import Recording
 from autoremat.costs.timeline import Timeline
-from autoremat.tree import Node
+from autoremat.record.recording import Recording
+from autoremat.record.tree import Node
 
 __all__ = [
     "MAX_RUN",
     "Recast",
     "Run",
+    "Storages",
     "cast_reads_within",
     "freed_bytes",
     "held_from",
@@ -154,7 +155,7 @@ def released(rec: Recording, ends: dict[str, int]) -> dict[str, list[tuple[int, 
     return found
 
 
-def steps(changes: list[tuple[int, int]]) -> Steps:
+def _steps(changes: list[tuple[int, int]]) -> Steps:
     """``(point, bytes)`` changes summed per point, in point order, zeros left out."""
     total: dict[int, int] = defaultdict(int)
     for point, size in changes:
@@ -186,7 +187,7 @@ def held_from(
     selective way keeps, empty for a whole recompute): less what finished parts saved, which
     its forward drops; more each kept output nothing saves, from when it was made."""
     cached = {key for uid, (key, _) in kept.items() if rec.kept_savers.get(uid)}
-    return steps(
+    return _steps(
         [(p, -size) for p, key, size in gone if key not in cached]
         + [
             (line.ended_before[rec.born[uid]], size)

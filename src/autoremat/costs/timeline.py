@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoremat.costs.recording import Event
-from autoremat.tree import Node
+from autoremat.record.recording import Event
+from autoremat.record.tree import Node
 
 __all__ = ["Timeline", "timeline"]
 

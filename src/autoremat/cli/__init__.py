@@ -1,0 +1,1 @@
+"""The ``autoremat`` command (:func:`autoremat.cli.commands.main`)."""

@@ -1,0 +1,180 @@
+"""The autoremat command: look at a model's module tree, plan which modules to recompute,
+and try a plan out on an example.
+
+Subcommands: tree, plan, demo, bench, fit and examples; ``autoremat --help`` describes them
+(:mod:`autoremat.cli.parser`). Every error is one line, ``autoremat: error: ...``, with exit
+status 2; warnings go to stderr as ``autoremat: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoremat.cli.arguments import (
+    at_least,
+    below_lowest,
+    check_segments,
+    joined_values,
+    loss_from_output,
+    parse_budget_arg,
+)
+from autoremat.cli.demo import demo
+from autoremat.cli.parser import VALUE_OPTIONS, parser
+from autoremat.cli.targets import CliError, load_target
+from autoremat.comparison.harness import bench_target
+from autoremat.comparison.report import to_markdown
+from autoremat.core.sizes import format_size
+from autoremat.examples import EXAMPLES
+from autoremat.planning.plan import plan
+from autoremat.planning.plans import Plan
+from autoremat.planning.strategies.budget import BudgetTooLow
+from autoremat.record.measure import measure
+from autoremat.record.step import LossFn
+from autoremat.record.tree import build_tree
+from autoremat.training.fit import fit
+from autoremat.training.scale_batch import batch_size_of, scale_batch
+
+__all__ = ["main"]
+
+
+def _budget_plan(
+    model: nn.Module, args: Any, kwargs: Any, ns: argparse.Namespace, loss_fn: LossFn | None
+) -> Plan:
+    """``plan(budget=...)`` for ``--budget``; a budget below the lowest reachable peak is an
+    error that suggests one that works."""
+    value = parse_budget_arg(ns.budget)
+    try:
+        return plan(model, args, kwargs, budget=value, objective=ns.objective, loss_fn=loss_fn)
+    except BudgetTooLow as exc:
+        start = below_lowest(exc, ns.budget, value, type(model).__name__)
+        raise CliError(f"{start}; try --budget {at_least(exc.lowest)}") from None
+
+
+def _measured(chosen: Plan, model: nn.Module, args: Any, kwargs: Any, loss_fn: Any) -> str:
+    """The measured step peak of ``chosen`` applied to a copy of ``model``, against its
+    prediction."""
+    wrapped = chosen.apply(copy.deepcopy(model))
+    peak = measure(wrapped, args, kwargs, loss_fn=loss_fn).peak
+    line = f"measured peak {format_size(peak)}"
+    if chosen.estimated_peak is not None:
+        error = (chosen.estimated_peak - peak) / peak
+        line += f" (predicted {format_size(chosen.estimated_peak)}, error {error:+.1%})"
+    if chosen.budget is not None:
+        line += f"; {'within' if peak <= chosen.budget else 'OVER'} the budget"
+    return line
+
+
+def _plan_command(ns: argparse.Namespace) -> int:
+    """``autoremat plan``: print the plan (and, with --measure, its measured peak)."""
+    check_segments(ns.segments)
+    if ns.budget is None and ns.objective != "time":
+        raise CliError("--objective applies to budget plans: add --budget")
+    loss_fn = loss_from_output(ns.loss)
+    model, args, kwargs = load_target(ns.target)
+    if ns.budget is None:
+        chosen = plan(model, args, kwargs, segments=ns.segments, loss_fn=loss_fn)
+        print(chosen)
+    else:
+        chosen = _budget_plan(model, args, kwargs, ns, loss_fn)
+        print(chosen.summary())
+    if ns.measure:
+        print(_measured(chosen, model, args, kwargs, loss_fn))
+    return 0
+
+
+def _fit_command(ns: argparse.Namespace) -> int:
+    """``autoremat fit``: the batch of TARGET's inputs scaled along ``--batch-dim``."""
+    try:
+        device_memory = parse_budget_arg(ns.device_memory)
+    except CliError:
+        raise CliError(
+            f"--device-memory {ns.device_memory} is not understood: give a size (24GiB, 800MB), "
+            f"whole bytes, or a percentage of the device's memory (90%)"
+        ) from None
+    loss_fn = loss_from_output(ns.loss)
+    model, args, kwargs = load_target(ns.target)
+    if ns.device is not None:
+        model.to(ns.device)
+    found = fit(
+        model,
+        lambda b: scale_batch(args, kwargs, b, ns.batch_dim),
+        device_memory=device_memory,
+        optimizer=None if ns.optimizer == "none" else ns.optimizer,
+        loss_fn=loss_fn,
+        objective=ns.objective,
+        max_batch=ns.max_batch,
+        verify=not ns.no_verify,
+        autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(ns.autocast or ""),
+    )
+    example = batch_size_of(args, kwargs, ns.batch_dim)
+    print(f"{ns.target} (example batch {example} along dimension {ns.batch_dim}, ", end="")
+    print(f"optimizer {ns.optimizer})")
+    print(found)
+    print(found.plan.summary())
+    return 1 if found.fits is False else 0
+
+
+def _run(ns: argparse.Namespace) -> int:
+    if ns.command == "examples":
+        for name, factory in EXAMPLES.items():
+            print(f"{name:10} {' '.join((factory.__doc__ or '').split())}")
+        return 0
+    if ns.command == "demo":
+        return demo(ns.target, ns.segments, ns.budget, ns.rounds, ns.loss)
+    if ns.command == "plan":
+        return _plan_command(ns)
+    if ns.command == "fit":
+        return _fit_command(ns)
+    model, args, kwargs = load_target(ns.target)
+    if ns.command == "tree":
+        print(build_tree(model, args, kwargs))
+        return 0
+    rows = bench_target(
+        model,
+        args,
+        kwargs,
+        compile=ns.compile,
+        repeats=ns.repeats,
+        name=ns.target,
+        loss_fn=loss_from_output(ns.loss),
+    )
+    print(to_markdown(rows))
+    return 0
+
+
+class _Prefixed(logging.Handler):
+    """Writes the package's warnings to stderr as ``autoremat: message``."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"autoremat: {record.getMessage()}", file=sys.stderr)
+
+
+def _warnings_to_stderr() -> None:
+    package = logging.getLogger("autoremat")
+    if not any(isinstance(h, _Prefixed) for h in package.handlers):
+        package.addHandler(_Prefixed(logging.WARNING))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``autoremat`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit
+    status: 0, 2 after an error (printed as one line), 1 when the demo finds a step that
+    differs or ``fit``'s batch does not fit when run."""
+    _warnings_to_stderr()
+    tokens = sys.argv[1:] if argv is None else argv
+    try:
+        return _run(parser().parse_args(joined_values(tokens, VALUE_OPTIONS)))
+    except (ValueError, TypeError, RuntimeError) as exc:
+        print(f"autoremat: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

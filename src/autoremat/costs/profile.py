@@ -1,0 +1,471 @@
+"""Per-module costs on the tree: what each module stores for backward and costs to recompute.
+
+:func:`profile` records one training step (:mod:`autoremat.record.recording`), places every
+node on the step's memory timeline (:mod:`autoremat.costs.timeline`), derives the cost model
+(:mod:`autoremat.costs.model`) and times the ops (:mod:`autoremat.record.timing`). Each cost is
+attributed to the innermost module of the tree that was running when it arose:
+
+* **saved**: bytes of the tensor storages that autograd saved for backward
+  (``torch.autograd.graph.saved_tensors_hooks``). Each storage counts once, for the module that
+  saved it first; storages that existed before the step (parameters, buffers, the example
+  inputs) do not count: they are not activations and recompute cannot free them.
+* **flops**: forward FLOPs, with the formulas of ``torch.utils.flop_counter`` (matmuls,
+  convolutions, attention; pointwise ops count zero there).
+* **written**: bytes of the new storages its forward's ops wrote (what a recompute writes
+  again; pointwise ops cost time for these bytes though they count no FLOPs).
+* **ways**: what recomputing the node selectively would free and cost, for each way of
+  :data:`autoremat.core.selective.WAYS`: the outputs of the ops that way keeps stay in the
+  checkpoint's cache, so they are not freed (and cost memory when nothing else kept them),
+  and those ops' FLOPs, bytes and time are not spent again.
+* **seconds**: forward wall time, measured in separate forwards with only timing hooks; on the
+  ``meta`` device, where nothing runs, estimated from FLOPs.
+* **op seconds**: the time of the forward's ops themselves (each op timed alone, the fastest
+  of two forwards; on CUDA with a synchronize around each op), which is what a recompute runs
+  again: pointwise ops count here though they count no FLOPs. With the per-op overheads of
+  :func:`~autoremat.record.timing.overheads` it prices recompute in time. On ``meta``,
+  estimated from FLOPs and bytes written.
+
+A node's figures are its own plus its children's, so they reconcile down the tree by
+construction. Nodes are calls: a module that runs several times in one forward (a shared
+layer, a loop over one block) has a node per call, ``path@k``, each with its own costs and
+place in the step, under the call that made it (whichever module that is). The model must
+not be wrapped (profile it before ``plan.apply``, or after ``autoremat.remove``): a
+checkpointed module saves nothing to see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoremat.core.classes import is_wrapped
+from autoremat.core.nested import iter_tensors
+from autoremat.core.selective import WAYS
+from autoremat.core.sizes import format_size
+from autoremat.costs import model as cost_model
+from autoremat.costs.model import Recast, Run, Storages
+from autoremat.costs.timeline import Timeline, timeline
+from autoremat.record.recording import Recording, record_step
+from autoremat.record.step import Autocast, LossFn, ambient_autocast, autocast_spec
+from autoremat.record.timing import DEFAULT_OVERHEADS, overheads, time_forward
+from autoremat.record.tree import Node, build_tree
+
+__all__ = [
+    "COST_PER_BYTE",
+    "META_BYTES_PER_SECOND",
+    "META_FLOPS_PER_SECOND",
+    "NodeCost",
+    "Profile",
+    "WayCost",
+    "profile",
+]
+
+# Where nothing can be timed (the meta device): forward throughput assumed, and what a byte
+# written costs in FLOPs (a machine balance: FLOP/s over bytes/s of memory traffic, a written
+# byte being read about once too; about 10-30 on the CPUs here, over 100 on a GPU's tensor
+# cores), hence the bytes written per second assumed.
+META_FLOPS_PER_SECOND = 1e11
+COST_PER_BYTE = 32.0
+META_BYTES_PER_SECOND = META_FLOPS_PER_SECOND / COST_PER_BYTE
+
+
+@dataclass(frozen=True)
+class WayCost:
+    """One way to recompute a node selectively (``way``, a key of
+    :data:`autoremat.core.selective.WAYS`, keeping the outputs of ``save_ops``): what it frees, the
+    FLOPs, bytes and op seconds it runs again, the bytes it holds during the node's forward,
+    and its recompute's peak (as :class:`NodeCost`'s fields of the same names; the peak also
+    counts, at each moment of the recompute, the cached outputs nothing saves that the
+    recompute has not taken back yet). ``kept_changed``: an output this way keeps was changed
+    in place after it was made (an ``LSTMCell``'s ``addmm`` then ``add_``, a ``Linear``
+    followed by ``ReLU(inplace=True)`` inside the node): selective checkpointing would refuse
+    it in the recompute ("Tensor cached during selective activation checkpoint has been
+    mutated"), so the planner does not offer this way."""
+
+    way: str
+    save_ops: tuple[str, ...]
+    freed: int
+    flops: int
+    written: int
+    held: int
+    op_seconds: float
+    held_from: tuple[tuple[int, int], ...] = ()
+    recompute_peak: int = 0
+    kept_changed: bool = False
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Costs of one tree node, its subtree included (``own_*``: the node alone).
+
+    ``freed`` is what recomputing the node whole would free: the bytes of storages saved for
+    backward only inside its subtree, other than its inputs, less the bytes of the inputs
+    nothing inside it saved (the checkpoint keeps every input until the node's backward,
+    longer than they would otherwise live). It can be negative.
+    ``start`` and ``end`` place the node in the step (see :class:`Profile`).
+    ``recompute_peak`` is the most live bytes while a checkpoint of the node recomputes: from
+    when backward first used what it saved (the live bytes of the step without recompute then,
+    less ``freed``), what its forward had added since it began, up to its last save (where
+    checkpoint's early stop ends the recompute); 0 when its backward never ran.
+    ``runs`` is set for a plain ``nn.Sequential``: a :class:`~autoremat.costs.model.Run` for
+    each run ``[i:j)`` of two or more consecutive children, which can be recomputed as one.
+    ``written`` is the bytes of new storages its forward's ops wrote. ``held`` and
+    ``held_from`` say how many bytes more than the step without recompute are live *during*
+    the node's forward when it is checkpointed, at each point ``start < p <= end`` of its span:
+    ``held`` (its inputs nothing inside saves: the checkpoint holds them from the start) plus
+    the changes ``(q, bytes)`` of ``held_from`` with ``q <= p``. Those are negative for what its
+    finished parts saved, which a checkpointed forward does not keep, and for a selective
+    recompute positive for each kept output nothing saves, from the point it was made.
+    ``ways`` has these figures for every selective way of :data:`autoremat.core.selective.WAYS`.
+    ``ops`` is the number of op calls of the node's forward and ``op_seconds`` their time.
+    ``recast``: under autocast, the weights its forward found cast by an earlier node, which
+    its recompute casts again and holds until its backward has used them
+    (:class:`autoremat.costs.model.Recast`), in any way: ``recast.groups`` the bytes, each
+    counted unless the nodes holding the first copies are recomputed too (the planner works
+    that out from the plan), ``recast.moments`` the stretches of its backward while they
+    live; not in ``recompute_peak``.
+    """
+
+    path: str
+    saved: int
+    own_saved: int
+    flops: int
+    own_flops: int
+    seconds: float
+    input_bytes: int
+    output_bytes: int
+    param_bytes: int
+    calls: int
+    freed: int = 0
+    start: int = 0
+    end: int = 0
+    recompute_peak: int = 0
+    runs: tuple[Run, ...] = ()
+    written: int = 0
+    held: int = 0
+    held_from: tuple[tuple[int, int], ...] = ()
+    ops: int = 0
+    op_seconds: float = 0.0
+    ways: tuple[WayCost, ...] = ()
+    recast: Recast = field(default_factory=Recast)
+
+    def way(self, name: str) -> WayCost:
+        """The selective way called ``name``; ``KeyError`` naming the ways if none."""
+        for w in self.ways:
+            if w.way == name:
+                return w
+        raise KeyError(f"no way {name!r}: the ways are {[w.way for w in self.ways]}")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The calls of a model's modules in one step, with a :class:`NodeCost` for each
+    (``profile[path]``).
+
+    ``tree`` is the tree of calls: one node per call of a module, its children the calls made
+    while it ran, in order. A module that ran once is one node named by its path; one that ran
+    several times (a shared layer, a cell stepped in a loop) has a node per call, ``path@k``
+    (``calls_of(path)`` lists them), each placed, priced and chosen on its own.
+    ``module_tree`` is the module tree (:func:`autoremat.record.tree.build_tree`).
+
+    The memory timeline of the step, for the budget planner
+    (:mod:`autoremat.costs.timeline`): nodes are numbered ``0..n-1`` by the time their forward
+    ended, their ``end``; a node's ``start`` is how many nodes had ended before it began.
+    Each point ``(p, bytes)`` says that ``bytes`` were live at some moment when the nodes
+    numbered below ``p`` had ended their forward and not yet begun their backward:
+    recomputing any of those would have lowered that moment by its ``freed`` bytes.
+    ``forward_points`` are the moments of the forward pass (up to the loss),
+    ``backward_points`` those after it, and :attr:`points` both (the most at each ``p``).
+    ``peak`` is the step's peak, as :func:`autoremat.measure` defines it. ``op_overhead`` and
+    ``selective_op_overhead`` are the seconds a recompute adds per op beyond the op itself,
+    plain and selective (:func:`~autoremat.record.timing.overheads`).
+    """
+
+    tree: Node
+    costs: dict[str, NodeCost]
+    device: str
+    peak: int = 0
+    module_tree: Node | None = None
+    forward_points: tuple[tuple[int, int], ...] = ()
+    backward_points: tuple[tuple[int, int], ...] = ()
+    op_overhead: float = 0.0
+    selective_op_overhead: float = 0.0
+
+    def __getitem__(self, path: str) -> NodeCost:
+        """The costs of node ``path``: a module that ran once, or one call ``path@k`` of a
+        module that ran several times. ``KeyError`` naming the calls for such a module's path.
+        """
+        found = self.costs.get(path)
+        if found is not None:
+            return found
+        calls = self.calls_of(path)
+        if calls:
+            raise KeyError(
+                f"module {path or '(root)'!r} ran {len(calls)} times: its nodes are its calls "
+                f"{calls[0]!r} .. {calls[-1]!r}"
+            )
+        raise KeyError(f"no node {path!r} in the profile")
+
+    def calls_of(self, path: str) -> list[str]:
+        """The nodes of the module at ``path``: its calls in order (``[path]`` when it ran
+        once; empty when it did not run)."""
+        return [n.path for n in self.tree.walk() if n.module_path == path]
+
+    @property
+    def points(self) -> tuple[tuple[int, int], ...]:
+        """The points of the whole step: the most live bytes at each ``p``, in either phase."""
+        most: dict[int, int] = {}
+        for p, b in (*self.forward_points, *self.backward_points):
+            most[p] = max(most.get(p, 0), b)
+        return tuple(sorted(most.items()))
+
+    def __iter__(self) -> Iterator[NodeCost]:
+        return iter(self.costs.values())
+
+    def render(self, depth: int = 3) -> str:
+        """A table of the nodes down to ``depth`` levels below the root."""
+        rows = [f"{'module':48} {'calls':>5} {'saved':>11} {'GFLOP':>9} {'ms':>9} {'params':>11}"]
+
+        def visit(node: Node, level: int) -> None:
+            c = self.costs[node.path]
+            label = ("  " * level + (node.path.rsplit(".", 1)[-1] if node.path else "(root)"))[:48]
+            rows.append(
+                f"{label:48} {c.calls:>5} {format_size(c.saved):>11} {c.flops / 1e9:>9.3f} "
+                f"{c.seconds * 1e3:>9.2f} {format_size(c.param_bytes):>11}"
+            )
+            if level < depth:
+                for child in node.children:
+                    visit(child, level + 1)
+
+        visit(self.tree, 0)
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def profile(
+    model: nn.Module,
+    args: tuple[Any, ...] | Any = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    autocast: Autocast | torch.dtype | None = None,
+    hf_cache: bool = False,
+) -> Profile:
+    """Per-node costs of ``model`` on the example inputs (see the module docstring).
+
+    Hugging Face models train without their key/value cache here, as every applied plan
+    makes them (:mod:`autoremat.core.huggingface`); with ``hf_cache`` they fill it, as the model
+    does in training with no plan applied.
+
+    With ``autocast`` (a dtype, or ``(device_type, dtype)`` such as ``("cuda",
+    torch.bfloat16)``) the step's forward and loss run under ``torch.autocast``, and on ``meta``
+    under :class:`~autoremat.record.autocast_meta.MetaAutocast`, which makes autocast's casts there.
+    Called inside an autocast region, it profiles under that autocast the same way (forward and
+    loss only: the region's cast cache would otherwise hide the step's casts).
+
+    Runs one training step (forward, ``loss_fn`` on the output, backward; ``loss_fn`` defaults to
+    :func:`autoremat.record.step.default_loss`, and its forward costs go to the root) from gradients
+    ``None``, under :class:`~autoremat.record.memory.LiveMemory`, then, on real tensors, two more
+    forwards for timing. The model is left as it was found
+    (:func:`autoremat.record.snapshot.preserved`). Shows a progress line on a terminal.
+
+    Raises:
+        ValueError: the model has modules wrapped by autoremat (remove them first), or the
+            loss is not a scalar that requires grad.
+        ExampleInputsError: (a ValueError) the example inputs fail in forward; the message
+            names the module.
+    """
+    if any(is_wrapped(m) for m in model.modules()):
+        raise ValueError(
+            "profile needs the unwrapped model (a checkpointed module saves nothing to "
+            "measure): call autoremat.remove(model) first"
+        )
+    autocast = autocast_spec(autocast, model) or ambient_autocast()
+    with _no_ambient_autocast():
+        return _profile(model, args, kwargs, loss_fn, autocast, hf_cache)
+
+
+def _no_ambient_autocast() -> Any:
+    """Autocast off for ``cpu`` and ``cuda`` (the profile turns it on where the step runs)."""
+    stack = contextlib.ExitStack()
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
+
+
+def _profile(
+    model: nn.Module,
+    args: Any,
+    kwargs: Any,
+    loss_fn: LossFn | None,
+    autocast: Autocast | None,
+    hf_cache: bool,
+) -> Profile:
+    modules = build_tree(model, args, kwargs)
+    tensors = [*(t for _, t in iter_tensors((args, kwargs))), *model.parameters()]
+    meta = any(t.device.type == "meta" for t in tensors)
+    rec = record_step(model, args, kwargs, modules, loss_fn, meta, autocast, hf_cache)
+    tree = rec.tree
+    line = timeline(tree, rec.events, {p: now for p, (_, now) in rec.unpacked.items()})
+    times = _Times(meta=meta)
+    if not meta:
+        device = tensors[0].device if tensors else torch.device("cpu")
+        nodes = {id(n.module): (n.module_path, n.module, n.calls) for n in tree.walk()}
+        times.forward, times.ops = time_forward(
+            model, args, kwargs, nodes, device, autocast=autocast
+        )
+        times.overheads = overheads(device)
+    costs = _Assembly(rec, line, times).costs()
+    return Profile(
+        tree=tree,
+        module_tree=modules,
+        costs={n.path: costs[n.path] for n in tree.walk()},
+        device="meta" if meta else "real",
+        peak=max(v for phase in (line.forward_points, line.backward_points) for _, v in phase),
+        forward_points=line.forward_points,
+        backward_points=line.backward_points,
+        op_overhead=times.overheads[0],
+        selective_op_overhead=times.overheads[1],
+    )
+
+
+@dataclass
+class _Times:
+    """What was timed: forward seconds per node, op seconds per (node, way or ""), per-op
+    overheads; on ``meta``, estimates from FLOPs and bytes written."""
+
+    meta: bool
+    forward: dict[str, float] | None = None
+    ops: dict[tuple[str, str], float] | None = None
+    overheads: tuple[float, float] = DEFAULT_OVERHEADS
+
+    def op_time(self, path: str, way: str, flops: int, written: int) -> float:
+        if self.ops is None:  # estimated
+            return flops / META_FLOPS_PER_SECOND + written / META_BYTES_PER_SECOND
+        return self.ops.get((path, way), 0.0)
+
+    def forward_time(self, path: str, flops: int) -> float:
+        if self.forward is None:
+            return flops / META_FLOPS_PER_SECOND
+        return self.forward.get(path, 0.0)
+
+
+class _Assembly:
+    """Sums the recorded figures up the tree into one :class:`NodeCost` per node."""
+
+    def __init__(self, rec: Recording, line: Timeline, times: _Times) -> None:
+        self.rec, self.line, self.times = rec, line, times
+        self.freed, self.charged = cost_model.freed_bytes(rec)
+        ends = {path: end for path, (_, end) in line.spans.items()}
+        self.released = cost_model.released(rec, ends)
+        self.reads = cost_model.cast_reads_within(rec)
+        self.recasts = cost_model.recasts(rec, line, self.reads)
+        self.runs = {
+            path: tuple(
+                self._recast_run([c.path for c in rec.tree.find(path).children], r) for r in found
+            )
+            for path, found in cost_model.runs(rec, line).items()
+        }
+        self.found: dict[str, NodeCost] = {}
+
+    def _recast_run(self, kids: list[str], run: Run) -> Run:
+        """``run`` of children ``kids`` with its peak counting the casts its recompute makes
+        again."""
+        if not run.recompute_peak:  # its backward never ran
+            return run
+        extra = cost_model.run_recast(self.rec, self.reads, kids[run.i : run.j])
+        return dataclasses.replace(run, recompute_peak=run.recompute_peak + extra)
+
+    def costs(self) -> dict[str, NodeCost]:
+        self.total(self.rec.tree)
+        return self.found
+
+    def total(self, node: Node) -> dict[str, Storages]:
+        """Fill :attr:`found` for ``node`` and below; return, for each way, the storages a
+        selective recompute of ``node`` keeps."""
+        below = [self.total(c) for c in node.children]
+        kids = [self.found[c.path] for c in node.children]
+        own = self.rec.own_ops[node.path]
+        kept = {way: dict(own.kept[way].storages) for way in WAYS}
+        for k in below:
+            for way in WAYS:
+                kept[way].update(k[way])
+        flops = own.flops + sum(k.flops for k in kids)
+        written = own.written + sum(k.written for k in kids)
+        seconds = self.times.op_time(node.path, "", own.flops, own.written)
+        seconds += sum(k.op_seconds for k in kids)
+        ways = tuple(
+            self._way(node, m, way, kept[way], (flops, written, seconds), kids)
+            for m, way in enumerate(WAYS)
+        )
+        path = node.path
+        params = {id(p): p for p in node.module.parameters()}
+        self.found[path] = NodeCost(
+            path=path,
+            saved=self.rec.own_saved[path] + sum(k.saved for k in kids),
+            own_saved=self.rec.own_saved[path],
+            flops=flops,
+            own_flops=own.flops,
+            seconds=self.times.forward_time(path, flops),
+            input_bytes=node.input_bytes,
+            output_bytes=node.output_bytes,
+            param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+            calls=node.calls,
+            freed=self.freed[path],
+            start=self.line.spans[path][0],
+            end=self.line.spans[path][1],
+            recompute_peak=self._peak(path, self.freed[path], {}),
+            runs=self.runs.get(path, ()),
+            written=written,
+            held=self.charged[path],
+            held_from=cost_model.held_from(self.rec, self.line, self.released[path], {}),
+            ops=own.ops + sum(k.ops for k in kids),
+            op_seconds=seconds,
+            ways=ways,
+            recast=self.recasts.get(path, Recast()),
+        )
+        return kept
+
+    def _peak(self, path: str, freed: int, kept: Storages) -> int:
+        return cost_model.recompute_peak(self.rec, self.line, path, freed, kept)
+
+    def _way(
+        self,
+        node: Node,
+        m: int,
+        way: str,
+        kept: Storages,
+        whole: tuple[int, int, float],
+        kids: list[NodeCost],
+    ) -> WayCost:
+        """The :class:`WayCost` of way ``way`` (the ``m``-th) for ``node``, given what a whole
+        recompute runs (``whole``: FLOPs, bytes written, op seconds)."""
+        flops, written, seconds = whole
+        mine = self.rec.own_ops[node.path].kept[way]
+        kept_flops = mine.flops + sum(k.flops - k.ways[m].flops for k in kids)
+        kept_written = mine.written + sum(k.written - k.ways[m].written for k in kids)
+        kept_seconds = self.times.op_time(node.path, way, mine.flops, mine.written) + sum(
+            k.op_seconds - k.ways[m].op_seconds for k in kids
+        )
+        freed = self.freed[node.path] - cost_model.kept_cost(self.rec, node.path, kept)
+        return WayCost(
+            way=way,
+            save_ops=WAYS[way],
+            freed=freed,
+            flops=flops - kept_flops,
+            written=written - kept_written,
+            held=self.charged[node.path],
+            held_from=cost_model.held_from(self.rec, self.line, self.released[node.path], kept),
+            recompute_peak=self._peak(node.path, freed, kept),
+            op_seconds=max(0.0, seconds - kept_seconds),
+            kept_changed=any(uid in self.rec.changed for uid in kept),
+        )

@@ -1,0 +1,194 @@
+"""Making a plan: :func:`plan` checks what it was asked, runs the model once for what the
+chosen strategy needs, and lets the strategy choose; :func:`lowest_budget` says the least a
+budget may be."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from torch import nn
+
+from autoremat.costs.profile import Profile, profile
+from autoremat.planning.fingerprint import fingerprint, structure
+from autoremat.planning.plans import Plan
+from autoremat.planning.strategies import budget as budget_strategy
+from autoremat.planning.strategies import levels as levels_strategy
+from autoremat.planning.strategy import Request, Strategy
+from autoremat.record.compiled import running_eagerly
+from autoremat.record.step import LossFn
+from autoremat.record.tree import Node, build_tree
+
+__all__ = ["STRATEGIES", "lowest_budget", "plan", "plan_from_profile", "profile_lowest"]
+
+logger = logging.getLogger(__name__)
+
+# plan() keyword -> strategy (one line per strategy)
+STRATEGIES: dict[str, Strategy] = {
+    s.keyword: s for s in (levels_strategy.STRATEGY, budget_strategy.STRATEGY)
+}
+
+
+def plan(
+    model: nn.Module,
+    args: tuple[Any, ...] | Any = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    segments: int | None = None,
+    budget: int | float | str | None = None,
+    loss_fn: LossFn | None = None,
+    selective: bool = True,
+    objective: str = "time",
+    autocast: Any = None,
+) -> Plan:
+    """Choose the modules of ``model`` to recompute.
+
+    With ``segments`` (default 3 when no budget is given), the levels strategy of the method
+    (claims 2-3): the tree is walked level by level until the scheme holds more than
+    ``segments`` modules (:func:`autoremat.planning.strategies.levels.choose_levels`).
+
+    With ``budget``, the budget strategy: profile one training step (``loss_fn`` as in
+    :func:`autoremat.measure`), then choose the modules, anywhere in the tree and never one inside
+    another, whose recompute costs least while the predicted step peak stays within the budget
+    (:mod:`autoremat.planning.strategies.budget`). ``budget`` is bytes (int), a fraction of the
+    no-recompute peak (float, ``0 < f <= 1``), a percentage (``"50%"``) or a size string
+    (``"800MB"``, ``"6GiB"``). A budget at or above the no-recompute peak gives an empty plan. Each
+    chosen module is recomputed whole, or, with ``selective`` (the default), possibly selectively:
+    the outputs of its matrix products, convolutions and attention kernels are kept and only the
+    other ops are recomputed (:mod:`autoremat.core.selective`); the planner picks whichever fits the
+    budget at the least cost. ``objective`` says what cost is: ``"time"`` (the default), the
+    recompute's time as profiled (its ops timed one by one, pointwise ops included, plus
+    checkpoint's and selective checkpointing's measured per-op overheads), or ``"flops"``, its FLOPs
+    as ``FlopCounterMode`` counts them (pointwise ops free; bytes written break ties; the plan is
+    the same on every machine).
+
+    ``autocast`` (a dtype, or ``(device_type, dtype)``; or called inside an autocast region):
+    the budget strategy profiles forward and loss under it (:func:`autoremat.profile`). Both
+    run the model on the example inputs and leave it as they found it; what the strategy has
+    to say (:attr:`Plan.warnings`) is logged.
+
+    Raises:
+        ValueError: ``segments`` negative; both ``segments`` and ``budget``; a malformed or
+            non-positive budget (the message lists the accepted forms); a budget below the
+            lowest peak any plan reaches (:class:`autoremat.BudgetTooLow`,
+            whose ``lowest`` is that peak); no submodule ran.
+        TypeError: ``segments`` not an int, ``budget`` of another type, or ``model`` not an
+            ``nn.Module``.
+        ExampleInputsError: (a ValueError) the example inputs fail in forward; the message
+            names the module.
+    """
+    name = type(model).__name__
+    request = Request(name, segments, budget, loss_fn, selective, objective, autocast)
+    strategy, request = _strategy_for(request)
+    evidence, tree = _evidence(strategy, model, args, kwargs, request)
+    return _logged(_made(model, strategy.name, tree, strategy.choose(evidence, request)))
+
+
+def _made(model: nn.Module, strategy: str, tree: Node | None, fields: dict[str, Any]) -> Plan:
+    """The plan of ``strategy`` for ``model``, with its structure and ``fields``."""
+    return Plan(
+        strategy=strategy,
+        model_class=type(model).__name__,
+        fingerprint=fingerprint(model),
+        structure=structure(model),
+        tree=tree,
+        **fields,
+    )
+
+
+def _logged(made: Plan) -> Plan:
+    """``made``, its warnings logged (one record each)."""
+    for text in made.warnings.values():
+        logger.warning("%s", text)
+    return made
+
+
+def _strategy_for(request: Request) -> tuple[Strategy, Request]:
+    """The strategy ``request`` selects (levels with the default count when it names none),
+    and the request as that strategy checked it."""
+    if request.segments is not None and request.budget is not None:
+        raise ValueError(
+            "segments and budget are mutually exclusive: pass segments=K for the levels "
+            "strategy, or budget=... for the memory-budget strategy"
+        )
+    if request.budget is None and request.segments is None:
+        request = dataclasses.replace(request, segments=levels_strategy.DEFAULT_SEGMENTS)
+    strategy = STRATEGIES["budget" if request.budget is not None else "segments"]
+    return strategy, strategy.check(request)
+
+
+def _evidence(
+    strategy: Strategy, model: nn.Module, args: Any, kwargs: Any, request: Request
+) -> tuple[Any, Node]:
+    """What ``strategy`` needs of the model (its tree, or a profile), and the tree. A compiled
+    model runs eagerly meanwhile (:mod:`autoremat.record.compiled`)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if strategy.needs == "profile":
+        with running_eagerly(model):
+            prof = profile(model, args, kwargs, loss_fn=request.loss_fn, autocast=request.autocast)
+        assert prof.module_tree is not None, "profile() sets it"
+        _require_submodules(model, prof.module_tree)
+        return prof, prof.module_tree
+    with running_eagerly(model):
+        tree = build_tree(model, args, kwargs)
+    _require_submodules(model, tree)
+    return tree, tree
+
+
+def _require_submodules(model: nn.Module, tree: Node) -> None:
+    if tree.is_leaf:
+        raise ValueError(
+            f"{type(model).__name__} has no submodules that ran on the example inputs: there "
+            f"is nothing to recompute; wrap it in a model with submodules, or check the inputs"
+        )
+
+
+def plan_from_profile(
+    model: nn.Module,
+    prof: Profile,
+    budget: int | float | str,
+    *,
+    selective: bool = True,
+    objective: str = "time",
+) -> Plan:
+    """The budget plan :func:`plan` would make for ``model`` from ``prof``, a profile of it
+    (or of a copy of it of the same structure, such as one on ``meta``): nothing runs, and
+    nothing is logged (the plan's ``warnings`` say what :func:`plan` would log).
+
+    Raises:
+        BudgetTooLow, ValueError: as :func:`plan`.
+    """
+    request = Request(type(model).__name__, None, budget, None, selective, objective)
+    request = budget_strategy.STRATEGY.check(request)
+    return _made(model, "budget", prof.module_tree, budget_strategy.STRATEGY.choose(prof, request))
+
+
+def profile_lowest(prof: Profile, *, selective: bool = True, objective: str = "time") -> int:
+    """:func:`lowest_budget` from ``prof``, a profile already made: nothing runs."""
+    request = Request("model", None, 1, None, selective, objective)
+    return budget_strategy.lowest(prof, budget_strategy.STRATEGY.check(request))
+
+
+def lowest_budget(
+    model: nn.Module,
+    args: tuple[Any, ...] | Any = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    selective: bool = True,
+    objective: str = "time",
+    autocast: Any = None,
+) -> int:
+    """The lowest budget, in bytes, that :func:`plan` meets for this model and inputs: the
+    least predicted step peak any plan reaches (the same figure an infeasible budget's error
+    states). Profiles one training step; the model is left as found.
+
+    Raises:
+        ValueError: no submodule ran, or ``objective`` is unknown; see :func:`plan`.
+    """
+    request = Request(type(model).__name__, None, 1, loss_fn, selective, objective, autocast)
+    request = budget_strategy.STRATEGY.check(request)
+    prof, _ = _evidence(budget_strategy.STRATEGY, model, args, kwargs, request)
+    return budget_strategy.lowest(prof, request)

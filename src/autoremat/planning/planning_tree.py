@@ -1,0 +1,149 @@
+"""The adapter from a profile to the solver: one planning :class:`~autoremat.planning.solver.Item`
+per node of the tree, priced, with the modules that cannot be candidates marked.
+
+This is where the budget strategy's view of a model is decided: which nodes are candidates
+(each call of a module is a node; a TorchScript module, one whose forward was replaced on the
+instance, and one that cannot be recomputed exactly, ``Node.recompute_reason``, are not),
+which ways each can be recomputed (whole, a run of a Sequential's children, each selective
+way that differs), and what each costs: seconds (``objective="time"``) or FLOPs
+(``"flops"``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from autoremat.core.entries import covered, parse_run
+from autoremat.core.selective import FULL
+from autoremat.costs.profile import NodeCost, Profile
+from autoremat.planning.solver import Item
+from autoremat.record.tree import Node
+from autoremat.wrap.wrapping import unwrappable_reason
+
+__all__ = ["planning_tree", "recompute_seconds", "way_seconds"]
+
+
+def planning_tree(
+    prof: Profile,
+    selective: bool = True,
+    skipped: dict[str, str] | None = None,
+    objective: str = "time",
+) -> Item:
+    """The budget strategy's view of a profile: one :class:`Item` per node (per call of a
+    module: a module that ran several times has an item per call, each chosen on its own),
+    children in the order they ended. Modules that cannot be wrapped or recomputed exactly
+    (``Node.recompute_reason``: Python state their forward changes, an input changed in place;
+    a TorchScript module, one whose forward was replaced on the instance) are not candidates,
+    nor are runs of a Sequential's children that hold a child whose forward changes Python
+    state or start at one whose input is changed in place. With ``selective``, each candidate
+    has other ways to be recomputed: selectively, in each way of
+    :data:`autoremat.core.selective.WAYS` that differs (:attr:`Item.other_ways`). With
+    ``objective="time"`` each way is priced by its measured time
+    (:class:`~autoremat.NodeCost` ``op_seconds`` and the profile's per-op overheads), so
+    cheap in FLOPs is not taken for free in time; with ``"flops"``, by FLOPs
+    (:attr:`Item.cost`). The modules left out that would have freed memory are written to
+    ``skipped`` (by module path), with the reason."""
+    builder = _Builder(prof, selective, objective, {} if skipped is None else skipped)
+    return builder.build(prof.tree)
+
+
+def recompute_seconds(prof: Profile, item: Item) -> float:
+    """The seconds recomputing ``item`` (a node of :func:`planning_tree`, in its ``way``, or a
+    run ``path[i:j]``) adds, as ``prof`` timed it (:attr:`Item.seconds` with
+    ``objective="time"``)."""
+    if parse_run(item.path) is not None:
+        return sum(way_seconds(prof, prof[path], FULL) for path in covered(item.path))
+    return way_seconds(prof, prof[item.path], item.way)
+
+
+def way_seconds(prof: Profile, cost: NodeCost, way: str) -> float:
+    """What recomputing the node of ``cost`` in ``way`` costs in seconds: its recomputed ops'
+    time plus its op count times the per-op overhead of that way."""
+    if way == FULL:
+        return cost.op_seconds + cost.ops * prof.op_overhead
+    return cost.way(way).op_seconds + cost.ops * prof.selective_op_overhead
+
+
+def _buffer_bytes(module: nn.Module) -> int:
+    # the wrap copies the module's buffers around each recompute (autoremat.wrap)
+    return sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+class _Builder:
+    def __init__(self, prof: Profile, selective: bool, objective: str, skipped: dict[str, str]):
+        self.prof, self.selective, self.objective = prof, selective, objective
+        self.skipped = skipped
+
+    def timed(self, cost: NodeCost, way: str) -> float | None:
+        return way_seconds(self.prof, cost, way) if self.objective == "time" else None
+
+    def build(self, node: Node) -> Item:
+        cost = self.prof[node.path]
+        reason = unwrappable_reason(node.module) or node.recompute_reason
+        if cost.freed > 0 and reason:
+            self.skipped.setdefault(node.module_path, reason)
+        kids = sorted(node.children, key=lambda c: self.prof[c.path].end)
+        return Item(
+            path=node.path,
+            start=cost.start,
+            end=cost.end,
+            freed=cost.freed,
+            flops=cost.flops,
+            candidate=reason is None,
+            children=tuple(self.build(c) for c in kids),
+            recompute_peak=cost.recompute_peak + _buffer_bytes(node.module),
+            runs=self.runs(cost, kids),
+            written=cost.written,
+            held=cost.held,
+            held_from=cost.held_from,
+            other_ways=self.other_ways(node, cost),
+            seconds=self.timed(cost, FULL),
+            recasts=cost.recast.groups,
+            recast_moments=cost.recast.moments,
+        )
+
+    def runs(self, cost: NodeCost, kids: list[Node]) -> tuple[tuple[int, int, int, int, int], ...]:
+        """The runs of ``cost`` that can be recomputed exactly: none of their children changes
+        Python state, and the first one's inputs are not changed in place (the run's inputs;
+        the others' are made inside the run)."""
+        return tuple(
+            (
+                r.i,
+                r.j,
+                r.freed,
+                sum(self.prof[c.path].flops for c in kids[r.i : r.j]),
+                r.recompute_peak + sum(_buffer_bytes(c.module) for c in kids[r.i : r.j]),
+            )
+            for r in cost.runs
+            if not kids[r.i].inplace_reason and not any(c.replay_reason for c in kids[r.i : r.j])
+        )
+
+    def other_ways(self, node: Node, cost: NodeCost) -> tuple[Item, ...]:
+        """The selective ways worth offering: each frees something and keeps something, keeps
+        no output changed in place later (selective checkpointing would refuse it), and
+        differs from those already offered."""
+        found: list[Item] = []
+        for way in cost.ways if self.selective else ():
+            if way.freed <= 0 or way.flops >= cost.flops or way.kept_changed:
+                continue  # frees nothing, keeps nothing worth keeping, or would fail
+            key = (way.freed, way.flops, way.held, way.held_from)
+            if any((o.freed, o.flops, o.held, o.held_from) == key for o in found):
+                continue  # the same as a way already offered (no batched matmuls here)
+            found.append(
+                Item(
+                    path=node.path,
+                    start=cost.start,
+                    end=cost.end,
+                    freed=way.freed,
+                    flops=way.flops,
+                    recompute_peak=way.recompute_peak + _buffer_bytes(node.module),
+                    written=way.written,
+                    held=way.held,
+                    held_from=way.held_from,
+                    way=way.way,
+                    seconds=self.timed(cost, way.way),
+                    recasts=cost.recast.groups,
+                    recast_moments=cost.recast.moments,
+                )
+            )
+        return tuple(found)

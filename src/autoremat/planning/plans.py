@@ -1,0 +1,352 @@
+"""A :class:`Plan`: which modules to recompute, how they were chosen, and its JSON form.
+
+A plan is data: entries (:mod:`autoremat.core.entries`), the selective way of each selective
+entry, the figures its strategy predicted, and the module structure of the model it was made
+for (:func:`structure`, hashed into :func:`fingerprint`), so that applying it to another model
+is refused. :meth:`Plan.save` and :meth:`Plan.load` write and read it as JSON
+(:mod:`autoremat.planning.plan_json` validates what is read).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from autoremat.core.entries import covered, module_of, parse_call, parse_run, run_entry
+from autoremat.core.selective import FULL, WAYS
+from autoremat.core.sizes import format_size
+from autoremat.planning.choice import Choice
+from autoremat.planning.fingerprint import fingerprint, structure
+from autoremat.planning.plan_json import (
+    FORMAT,
+    fields_from_dict,
+    fields_from_file,
+    fields_from_json,
+)
+from autoremat.record.tree import Node
+from autoremat.wrap.wrapping import apply as wrap_apply
+
+__all__ = ["Plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which modules of a model to recompute in backward, and how they were chosen.
+
+    ``modules`` are plan entries: qualified names as in ``model.named_modules()`` (``""`` is the
+    model itself), calls ``path@k`` or runs ``path[i:j]``, never one inside another; those also
+    in ``selective`` are recomputed selectively: ``selective`` maps each to the ops whose
+    outputs it keeps (:mod:`autoremat.core.selective`). A budget plan also predicts the step peak
+    with and without it (bytes, as :func:`autoremat.measure` defines ``peak``), and the FLOPs
+    and seconds its recomputes add (seconds as profiled: the recomputed ops' time plus
+    checkpoint's per-op overheads); its ``objective`` is what it minimised (``"time"`` or
+    ``"flops"``). ``compiled_peak``: the allocator's peak measured under ``torch.compile``
+    (:func:`autoremat.plan_for_compile`), else ``None``. ``left_out`` maps each module the
+    strategy would have considered but left out to the reason (it cannot be recomputed exactly
+    or at all: Python state its forward changes, an input changed in place, TorchScript): for a
+    budget plan those that would have freed memory, for a levels plan those the walk met; empty
+    when none. ``calls`` maps each module named by call entries (``path@k``: only the ``k``-th
+    call of a module that runs several times in one forward, :mod:`autoremat.wrap.calls`) to the
+    number of calls the plan was made for; a step with another number warns. ``warnings``:
+    what its strategy had to say, by kind (``"left_out"``: modules left out; ``"near_lowest"``:
+    a budget close to the lowest peak any plan reaches), logged by :func:`autoremat.plan`; not
+    saved. ``print(plan)``
+    shows the choice, what was left out and the tree with the chosen modules marked ``*``.
+    """
+
+    modules: tuple[str, ...]
+    strategy: str
+    model_class: str
+    segments: int | None = None
+    budget: int | None = None
+    estimated_peak: int | None = None
+    baseline_peak: int | None = None
+    recompute_flops: int | None = None
+    objective: str | None = None
+    recompute_seconds: float | None = None
+    compiled_peak: int | None = None
+    choices: tuple[Choice, ...] = ()
+    selective: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
+    left_out: dict[str, str] = field(default_factory=dict, hash=False)
+    calls: dict[str, int] = field(default_factory=dict, hash=False)
+    warnings: dict[str, str] = field(default_factory=dict, hash=False, compare=False, repr=False)
+    fingerprint: str | None = None
+    structure: tuple[str, ...] = field(default=(), repr=False)
+    tree: Node | None = field(default=None, repr=False, compare=False)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Wrap the plan's modules of ``model`` in place (claim 4) and return ``model``.
+
+        Raises:
+            ValueError: ``model``'s module structure is not the one the plan was made for
+                (the message names the modules that no longer exist), or see
+                :func:`autoremat.wrap.apply`. The model is unchanged when it raises.
+        """
+        self.check(model)
+        return wrap_apply(model, self.modules, selective=self.selective, calls=self.calls)
+
+    def check(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` unless ``model`` has the module structure the plan was made
+        for (same :func:`fingerprint`); the message names the modules that no longer exist
+        and the ones that are new."""
+        if self.fingerprint is None or fingerprint(model) == self.fingerprint:
+            return
+        detail = self._differences(structure(model))
+        other = type(model).__name__
+        if other != self.model_class:
+            raise ValueError(
+                f"this plan was made for a {self.model_class}, not a {other}: "
+                f"{'; '.join(detail[:1])}. Make a plan from this model "
+                f"(autoremat.plan(model, ...))"
+            )
+        raise ValueError(
+            f"this plan was made for a {self.model_class} with another module structure "
+            f"(fingerprint {self.fingerprint}, the model's is {fingerprint(model)}): "
+            f"{'; '.join(detail) or 'the structure differs'}. Make a new plan from this model "
+            f"(autoremat.plan(model, ...))"
+        )
+
+    def _differences(self, now: tuple[str, ...]) -> list[str]:
+        missing, count = _missing(self.modules, [line.rpartition(" ")[0] for line in now])
+        gone = sorted(set(self.structure) - set(now))
+        new = sorted(set(now) - set(self.structure))
+
+        def names(lines: list[str], total: int | None = None) -> str:
+            total = len(lines) if total is None else total
+            shown = ", ".join(repr(x if x[:1] != " " else "(root)" + x) for x in lines[:5])
+            return shown + (f" and {total - 5} more" if total > 5 else "")
+
+        detail = []
+        if missing:
+            detail.append(f"the plan's modules {names(missing, count)} no longer exist")
+        if gone:
+            detail.append(f"modules no longer there: {names(gone)}")
+        if new:
+            detail.append(f"new modules: {names(new)}")
+        return detail
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON data (what :meth:`save` writes; no tree)."""
+        return {
+            "format": FORMAT,
+            "model_class": self.model_class,
+            "fingerprint": self.fingerprint,
+            "strategy": self.strategy,
+            "modules": list(self.modules),
+            "segments": self.segments,
+            "budget": self.budget,
+            "estimated_peak": self.estimated_peak,
+            "baseline_peak": self.baseline_peak,
+            "recompute_flops": self.recompute_flops,
+            "objective": self.objective,
+            "recompute_seconds": self.recompute_seconds,
+            "choices": [
+                {"path": c.path, "freed": c.freed, "flops": c.flops, "way": c.way}
+                | {"seconds": c.seconds}
+                for c in self.choices
+            ],
+            "selective": {path: list(ops) for path, ops in self.selective.items()},
+            "left_out": dict(self.left_out),
+            "calls": dict(self.calls),
+            "structure": list(self.structure),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        """The plan :meth:`to_dict` gave, validated as :meth:`load` validates a file (so a
+        plan without a ``fingerprint`` is refused).
+
+        Raises:
+            ValueError: a field is missing or wrong; the message names it
+                (:func:`autoremat.planning.plan_json.fields_from_dict`).
+        """
+        return cls(**fields_from_dict(data))
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """The plan in ``text``, what :meth:`save` wrote, validated as :meth:`load` validates
+        a file (:func:`autoremat.planning.plan_json.fields_from_json`).
+
+        Raises:
+            ValueError: as :meth:`load`.
+        """
+        return cls(**fields_from_json(text))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan to ``path`` as indented JSON (see :meth:`to_dict`)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan :meth:`save` wrote. :meth:`apply` then refuses a model whose module
+        structure changed since the plan was made.
+
+        The file is read and checked in time and memory linear in its size, and at most
+        :data:`autoremat.planning.plan_json.MAX_PLAN_BYTES` (8 MiB) of it; nothing is looked up or
+        created in ``torch.ops``. See :mod:`autoremat.planning.plan_json` for what is checked.
+
+        Raises:
+            ValueError: the file is too large, not JSON, nested too deep, or not a plan of
+                this format: a field missing or wrong (the message names it), no fingerprint,
+                or one that is not the hash of the plan's structure.
+            OSError: the file cannot be read.
+        """
+        return cls(**fields_from_file(path))
+
+    def table(self) -> str:
+        """The chosen entries with what each frees and adds, and the predicted peak."""
+        if self.strategy != "budget":
+            return "\n".join(f"  {p or '(root)'}" for p in self.modules)
+        if not self.modules:
+            return self._figures()
+        grouped = _grouped(self.choices, self.calls)
+        width = max([len(c.path or "(root)") for c in grouped] + [6])
+        rows = [
+            f"  {'module':{width}}  {'how':13}  {'frees':>10}  {'adds GFLOP':>10}  {'adds ms':>8}"
+        ]
+        rows += [
+            f"  {c.path or '(root)':{width}}  {c.way:13}  {format_size(c.freed):>10}  "
+            f"{c.flops / 1e9:>10.3f}  " + ("" if c.seconds is None else f"{c.seconds * 1e3:>8.1f}")
+            for c in grouped
+        ]
+        rows.append(self._figures())
+        for way in dict.fromkeys(c.way for c in self.choices if c.way != FULL):
+            ops = next((self.selective[c.path] for c in self.choices if c.way == way), WAYS[way])
+            rows.append(f"{way} keeps the outputs of: {', '.join(ops)}")
+        return "\n".join(rows)
+
+    def _figures(self) -> str:
+        """The predicted peak against the budget and the baseline, and what recompute adds;
+        ``?`` for a figure the plan does not have."""
+
+        def size(x: int | None) -> str:
+            return "?" if x is None else format_size(x)
+
+        share = (
+            f", {self.estimated_peak / self.baseline_peak:.0%}"
+            if self.estimated_peak is not None and self.baseline_peak
+            else ""
+        )
+        flops = "?" if self.recompute_flops is None else f"{self.recompute_flops / 1e9:.3f}"
+        line = (
+            f"predicted peak {size(self.estimated_peak)} (budget {size(self.budget)}, "
+            f"no recompute {size(self.baseline_peak)}{share}), recompute adds {flops} GFLOP"
+        )
+        if self.recompute_seconds is not None:
+            line += f" and {self.recompute_seconds * 1e3:.1f} ms (as profiled)"
+        return line + ("" if self.objective is None else f"; minimised {self.objective}")
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        if self.tree is not None:
+            lines += ["", self.tree.render(marked=frozenset(map(module_of, self.modules)))]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """The header and :meth:`table`, without the tree."""
+        how = {
+            "levels": f"levels, segments={self.segments}",
+            "budget": f"budget {format_size(self.budget)}" if self.budget else "budget",
+        }.get(self.strategy, self.strategy)
+        count = len(self.modules)
+        plain = all(module_of(e) == e for e in self.modules)
+        noun = ("module", "modules") if plain else ("entry", "entries")
+        head = f"Plan for {self.model_class} ({how}): recompute {count} {noun[count != 1]}"
+        if not self.modules and self.strategy == "budget":
+            head += " (no recompute needed)"
+        lines = [head, self.table()] if self.modules or self.strategy == "budget" else [head]
+        if self.left_out:
+            count = len(self.left_out)
+            lines.append(f"left out ({count} module{'s' * (count != 1)}):")
+            lines += [f"  {p or '(root)'}: {why}" for p, why in list(self.left_out.items())[:10]]
+            lines += [f"  ... and {count - 10} more"] if count > 10 else []
+        return "\n".join(lines)
+
+
+def _grouped(choices: Sequence[Choice], calls: dict[str, int]) -> list[Choice]:
+    """The choices as :meth:`Plan.table` shows them: consecutive calls of one module chosen
+    the same way as one row ``path@i..j`` (``(n of N calls)``), their figures summed."""
+    rows: list[Choice] = []
+    group: list[tuple[int, Choice]] = []
+
+    def flush() -> None:
+        if len(group) == 1:
+            rows.append(group[0][1])
+        elif group:
+            path = parse_call(group[0][1].path)[0]  # type: ignore[index]
+            first, last = group[0][0], group[-1][0]
+            label = f"{path}@{first}..{last} ({len(group)} of {calls.get(path, '?')} calls)"
+            seconds = [c.seconds for _, c in group]
+            rows.append(
+                Choice(
+                    label,
+                    sum(c.freed for _, c in group),
+                    sum(c.flops for _, c in group),
+                    group[0][1].way,
+                    None if None in seconds else sum(s or 0.0 for s in seconds),
+                )
+            )
+        group.clear()
+
+    for c in choices:
+        call = parse_call(c.path)
+        head = parse_call(group[0][1].path) if group else None
+        same = head is not None and call is not None and head[0] == call[0]
+        if not (same and group[0][1].way == c.way and call[1] == group[-1][0] + 1):  # type: ignore[index]
+            flush()
+        if call is None:
+            rows.append(c)
+        else:
+            group.append((call[1], c))
+    flush()
+    return rows
+
+
+def _uncalled(entry: str) -> str:
+    """A call entry's module path; any other entry as it is."""
+    call = parse_call(entry)
+    return entry if call is None else call[0]
+
+
+def _missing(entries: Sequence[str], paths: Sequence[str]) -> tuple[list[str], int]:
+    """The first (sorted) few of the module paths ``entries`` cover (:func:`covered`) that are
+    not among ``paths``, and how many there are in all. Runs are not expanded: the children
+    they cover that are present are counted by index, and at most 5 missing ones are named."""
+    have = set(paths)
+    indices: dict[str, list[int]] = {}
+    for path in paths:
+        parent, _, name = path.rpartition(".")
+        if name.isascii() and name.isdigit() and len(name) < 19 and str(int(name)) == name:
+            indices.setdefault(parent, []).append(int(name))
+    for found in indices.values():
+        found.sort()
+    shown: list[str] = []
+    count = 0
+    for entry in dict.fromkeys(map(_uncalled, entries)):
+        run = parse_run(entry)
+        if run is None:
+            if entry not in have:
+                shown.append(entry)
+                count += 1
+            continue
+        parent, i, j = run
+        present = indices.get(parent, [])
+        lo, hi = bisect.bisect_left(present, i), bisect.bisect_left(present, j)
+        count += max(j - i, 0) - (hi - lo)
+        k, named = i, 0
+        while k < j and named < 5:
+            if lo < hi and present[lo] == k:
+                lo += 1
+            else:
+                shown.append(covered(run_entry(parent, k, k + 1))[0])
+                named += 1
+            k += 1
+    return sorted(shown)[:5], count

@@ -1,0 +1,410 @@
+"""The budget solver: the cheapest set of planning items whose predicted step peak fits.
+
+Pure: it reads :class:`Item` trees and points, and knows nothing of models, profiles or wraps
+(:mod:`autoremat.planning.planning_tree` makes the items from a profile). Cost model (see
+``docs/cost-model.md`` for the reasoning and the measured error):
+
+* Every tree node ``i`` is numbered by when its forward ended (``end``); ``start`` is how many
+  nodes had ended before it began. Recomputing ``i`` frees ``freed[i]`` bytes: what its
+  subtree saved for backward, less its inputs (the checkpoint keeps those), and costs
+  ``cost[i]`` (:attr:`Item.cost`: its recompute's measured seconds when the item has them, else
+  its forward FLOPs; bytes break ties).
+* The profiled step without recompute gives *points* ``(p, bytes)``: at some moment ``bytes``
+  were live while nodes ``0..p-1`` had finished their forward and not begun their backward.
+  Recomputing a set ``S`` of nodes, never one inside another, lowers that moment to
+  ``bytes - sum(freed[s] for s in S if end[s] < p)``: before a node's backward starts, its
+  activations are gone; once it starts, the recompute brings them all back, exactly as they
+  were in the step without recompute, gradients and all. The recompute itself adds the point
+  ``(start[s], recompute_peak[s])``: the most live bytes while it runs, temporaries included
+  (:class:`autoremat.NodeCost`), plus its :attr:`Item.recasts` whose holders are not
+  all in ``S`` (under autocast, the weight casts it makes again while the first copies
+  live: the one term that depends on what else is chosen). At the points inside its span
+  (``start[s] < p <= end[s]``), a chosen node holds more than the step without recompute (or
+  fewer), and how much depends on the phase: points come in two lists, those of the forward
+  pass (``forward``) and those after it.
+  While its own forward runs, it holds :meth:`Item.held_at` ``(p)``: the inputs the
+  checkpoint keeps, from its start; less what its finished parts saved, which a
+  checkpointed forward drops; more, for a selective recompute, each kept output nothing else
+  saved, from the point it was made. During its backward it holds its inputs only
+  (:attr:`Item.held_in_backward`): the recompute has brought the rest back, and taken the
+  cached outputs out of the cache. The predicted peak is the maximum over the points; with
+  ``S`` empty it is the profiled peak itself.
+
+The solver is exact under that model: a dynamic programme over the tree in execution order
+whose state is the set of Pareto-optimal ``(bytes freed so far, cost so far)`` pairs. At each
+node it either recomputes the node whole, in any of its ways (allowed when every point inside
+the node's span already fits with what was freed before it), or, for a plain
+``nn.Sequential``, a run of two or more consecutive children as one, or descends into its
+children. Points are checked as the walk passes them, so every kept state is feasible so far;
+a state with more bytes freed and less cost dominates, since what is feasible later depends
+only on the bytes freed. Bytes freed are counted up to the largest excess over the budget
+(more is worth nothing). Past ``MAX_STATES`` states, the frontier keeps one state per
+``1/MAX_STATES`` of that excess, the one that freed most: no feasible answer is lost, and the
+cost may exceed the optimum by what separates states within one step (never on small trees,
+where the frontier stays below it). The work is ``O((nodes x ways + runs) x frontier)``;
+``runs`` is at most ``MAX_RUN`` per child of a Sequential. Recasts are not additive: when
+the walk takes an item that has some, it checks them in each state against that state's own
+choices (the holders ended before the item began, so they are decided); states are still
+merged by bytes freed and cost alone, so with recasts the answer fits but may not be the
+cheapest (a state merged away could have covered a later item's holders).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MAX_STATES = 1024
+NONE = -(2**62)  # the bytes at a point where no moment was seen (below any budget)
+# Costs are in FLOPs, or FLOP-equivalents: an item with measured ``seconds`` costs them at
+# FLOPS_PER_SECOND; one without costs its FLOPs. Bytes (freed, and written by the recompute)
+# break ties at TIE_PER_BYTE.
+FLOPS_PER_SECOND = 1e11
+TIE_PER_BYTE = 1e-3
+
+__all__ = ["Infeasible", "Item", "min_peak", "predict_peak", "solve"]
+
+
+@dataclass(frozen=True)
+class Item:
+    """One node of the planning tree (children ordered by ``end``)."""
+
+    path: str
+    start: int
+    end: int
+    freed: int
+    flops: int
+    candidate: bool = True
+    children: tuple[Item, ...] = ()
+    recompute_peak: int = 0
+    # runs [i:j) of two or more children that can be recomputed as one (a plain Sequential):
+    # (i, j, freed, flops, recompute_peak)
+    runs: tuple[tuple[int, int, int, int, int], ...] = ()
+    written: int = 0  # bytes the recompute's ops write
+    # bytes it keeps alive during its own forward beyond the step without recompute (inputs
+    # the checkpoint holds): added to the points inside its span; and how that changes
+    # part-way, (point, bytes) from that point on (what its finished parts saved, dropped by
+    # the checkpoint: negative; a selective recompute's cached outputs: positive)
+    held: int = 0
+    held_from: tuple[tuple[int, int], ...] = ()
+    # the other ways to recompute this node whole (same path and span, no children)
+    other_ways: tuple[Item, ...] = ()
+    way: str = "full"  # how this item recomputes: "full", or a selective way ("selective")
+    # the recompute's time, measured (ops and per-op overheads); None: priced from flops and
+    # written bytes
+    seconds: float | None = None
+    # under autocast, the weight casts its recompute makes again: (bytes, holders), more at
+    # its recompute's peak unless every holder (a node, by end) is chosen too (no holders:
+    # always); and (point, bytes, indexes into recasts): the live bytes of the step without
+    # recompute in each stretch of its backward, with the recasts still live then
+    recasts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    recast_moments: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+
+    def run_item(self, i: int, j: int, freed: int, flops: int, recompute_peak: int) -> Item:
+        """The run ``[i:j)`` of this node's children as one item, named ``path[i:j]``; its
+        bytes written and seconds are its children's."""
+        kids = self.children[i:j]
+        seconds = [k.seconds for k in kids]
+        return Item(
+            path=f"{self.path}[{i}:{j}]",
+            start=kids[0].start,
+            end=kids[-1].end,
+            freed=freed,
+            flops=flops,
+            recompute_peak=recompute_peak,
+            written=sum(k.written for k in kids),
+            seconds=None if None in seconds else sum(seconds),  # type: ignore[arg-type]
+        )
+
+    def recast_with(self, chosen: Sequence[Item]) -> tuple[int, list[tuple[int, int]]]:
+        """When ``chosen`` (never one inside another) are recomputed, the bytes of
+        :attr:`recasts` its recompute adds (those without holders or with a holder no chosen
+        item covers), and its backward's moments ``(point, bytes)`` with them."""
+        spans = sorted((c.end, c.start) for c in chosen)
+        ends = [e for e, _ in spans]
+
+        def covered(h: int) -> bool:  # the first chosen item ending at or after h covers it?
+            k = bisect.bisect_left(ends, h)
+            return k < len(spans) and spans[k][1] <= h
+
+        counted = [
+            not holders or not all(covered(h) for h in holders) for _, holders in self.recasts
+        ]
+        moments = [
+            (p, b + sum(self.recasts[g][0] for g in alive if counted[g]) + self._inside(p))
+            for p, b, alive in self.recast_moments
+        ]
+        extra = sum(size for (size, _), count in zip(self.recasts, counted, strict=True) if count)
+        return extra, moments
+
+    def recast_peak(self, chosen: Sequence[Item]) -> int:
+        """The most live bytes its recompute and backward reach with the recasts ``chosen``
+        leave (:meth:`recast_with`), before what items chosen earlier freed."""
+        extra, moments = self.recast_with(chosen)
+        return max([self.recompute_peak + extra, *(b for _, b in moments)])
+
+    def _inside(self, point: int) -> int:
+        return self.held_in_backward if point > self.start else 0
+
+    def held_at(self, point: int) -> int:
+        """The bytes more than the step without recompute live at ``point``, inside the span,
+        while this item's checkpointed forward runs (fewer when negative)."""
+        return self.held + sum(b for p, b in self.held_from if p <= point)
+
+    @property
+    def held_in_backward(self) -> int:
+        """The bytes more than the step without recompute live at the points inside the span
+        outside the forward, during this item's backward: ``held``. Its recompute has
+        brought back all its forward dropped, and handed over what a selective recompute
+        cached (``torch.utils.checkpoint``'s cache gives each output up as the recompute
+        reaches it)."""
+        return self.held
+
+    def worst_inside(self, forward: Sequence[int], backward: Sequence[int]) -> int:
+        """The most bytes live at the points inside the span when this item is checkpointed,
+        given the most live at each point ``p`` in the step without recompute, in its forward
+        (``forward[p]``) and after (``backward[p]``); 0 when the span has no point."""
+        worst, extra, begin = 0, self.held, self.start + 1
+        stop = min(self.end + 1, len(forward), len(backward))
+        if begin < stop:
+            worst = max(backward[begin:stop]) + self.held_in_backward
+        for p, b in (*self.held_from, (stop, 0)):
+            if p > begin and begin < stop:
+                worst = max(worst, max(forward[begin : min(p, stop)]) + extra)
+                begin = p
+            extra += b
+        return worst
+
+    @property
+    def cost(self) -> float:
+        # (bytes break ties: of two equally costly ways, the one that writes less, frees less)
+        work = self.flops if self.seconds is None else self.seconds * FLOPS_PER_SECOND
+        return work + TIE_PER_BYTE * (self.written + max(0, self.freed))
+
+    def wholes(self) -> list[Item]:
+        """The ways to recompute this node whole that free bytes: itself and its other ways."""
+        if not self.candidate:
+            return []
+        return [i for i in (self, *self.other_ways) if i.freed > 0]
+
+    def walk(self) -> list[Item]:
+        out = [self]
+        for child in self.children:
+            out.extend(child.walk())
+        return out
+
+
+class Infeasible(ValueError):
+    """No set of modules brings the predicted peak under the budget."""
+
+
+def predict_peak(
+    points: Sequence[tuple[int, int]],
+    chosen: Sequence[Item],
+    forward: Sequence[tuple[int, int]] = (),
+) -> int:
+    """The predicted step peak when the ``chosen`` nodes are recomputed (module docstring).
+
+    ``forward`` are the points of the forward pass, where a chosen node part-way through its
+    own forward holds :meth:`Item.held_at` bytes more; ``points`` the others (at those inside
+    its span it holds :attr:`Item.held_in_backward` more). Points given only in ``points``
+    are priced as the latter, an upper bound. A chosen item's :attr:`Item.recasts` count at
+    its recompute and at the moments of its backward while they live
+    (:meth:`Item.recast_with`)."""
+    recast = {id(s): s.recast_with(chosen) for s in chosen}
+    moments = [
+        *(
+            (p, b + sum(s.held_in_backward for s in chosen if s.start < p <= s.end))
+            for p, b in points
+        ),
+        *((p, b + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)) for p, b in forward),
+        *((s.start, s.recompute_peak + recast[id(s)][0]) for s in chosen),
+        *(m for s in chosen for m in recast[id(s)][1]),
+    ]
+    if not moments:
+        return 0
+    return max(b - sum(s.freed for s in chosen if s.end < p) for p, b in moments)
+
+
+# A state of the dynamic programme: (-bytes freed so far, cost so far, tie-break, chosen),
+# where chosen is a linked list (item, rest). Tuples sort natively: most freed, then cheapest.
+_State = tuple[int, float, int, Any]
+
+
+def _merge(parts: list[list[_State]], grid: int) -> list[_State]:
+    """The states of ``parts`` (each sorted, most freed first) that no other state beats on
+    both bytes freed and cost; past ``MAX_STATES``, one per ``grid`` bytes freed: the one that
+    freed most, so that no feasible answer is lost."""
+    parts = [p for p in parts if p]
+    if len(parts) <= 1:
+        return parts[0] if parts else []
+    kept: list[_State] = []
+    best = math.inf
+    # (sorting the concatenated runs: timsort merges them, comparing tuples in C)
+    for s in sorted(itertools.chain.from_iterable(parts)):
+        if s[1] < best:
+            kept.append(s)
+            best = s[1]
+    if len(kept) <= MAX_STATES:
+        return kept
+    thinned: list[_State] = []
+    bucket = None
+    for s in kept:
+        if -s[0] // grid != bucket:
+            bucket = -s[0] // grid
+            thinned.append(s)
+    return thinned
+
+
+def solve(
+    root: Item,
+    points: Sequence[tuple[int, int]],
+    budget: int,
+    forward: Sequence[tuple[int, int]] = (),
+) -> list[Item]:
+    """The cheapest set of nodes under ``root`` whose predicted peak (:func:`predict_peak`,
+    with the same ``points`` and ``forward``) is at most ``budget`` (module docstring; with
+    :attr:`~Item.recasts`, a set that fits, not always the cheapest).
+
+    Raises:
+        Infeasible: no set fits; :func:`min_peak` gives the lowest reachable peak.
+    """
+    solver = _Solver(root, points, budget, forward)
+    states = solver.check([(0, 0.0, next(solver.counter), None)], -1, root.start)
+    states = solver.check(solver.run(root, states), root.end, solver.top)
+    if not states:
+        raise Infeasible(f"no recompute plan has a predicted peak <= {budget} bytes")
+    best = min(states, key=lambda s: s[1])
+    return sorted(_chosen(best), key=lambda i: i.end)
+
+
+def _chosen(state: _State) -> list[Item]:
+    """The items of ``state``'s chosen list, last chosen first."""
+    chosen: list[Item] = []
+    link = state[3]
+    while link is not None:
+        chosen.append(link[0])
+        link = link[1]
+    return chosen
+
+
+class _Solver:
+    """The dynamic programme of :func:`solve` (module docstring) for one budget."""
+
+    def __init__(
+        self,
+        root: Item,
+        points: Sequence[tuple[int, int]],
+        budget: int,
+        forward: Sequence[tuple[int, int]],
+    ) -> None:
+        self.budget = budget
+        self.top = max((p for p, _ in (*points, *forward)), default=0)
+        # the most bytes live at each point: in the forward, after it, and either (NONE: no
+        # moment there)
+        self.during = [NONE] * (self.top + 1)
+        self.after = [NONE] * (self.top + 1)
+        for p, b in forward:
+            self.during[p] = max(self.during[p], b)
+        for p, b in points:
+            self.after[p] = max(self.after[p], b)
+        self.need = [max(d, a) for d, a in zip(self.during, self.after, strict=True)]
+        # Bytes freed beyond the largest excess over the budget are worth no more.
+        self.cap = max(
+            0,
+            max(self.need) - budget,
+            # (every recast counted: nothing chosen covers a holder)
+            *(w.recast_peak(()) - budget for i in root.walk() for w in (i, *i.other_ways)),
+        )
+        self.grid = max(1, -(-self.cap // MAX_STATES))
+        self.counter = itertools.count()
+        self.useful: dict[int, bool] = {}
+        self._mark(root)
+
+    def _mark(self, item: Item) -> bool:
+        """Whether anything under ``item`` can be chosen."""
+        here = bool(item.wholes()) or (item.candidate and any(r[2] > 0 for r in item.runs))
+        self.useful[id(item)] = any([self._mark(c) for c in item.children]) or here
+        return self.useful[id(item)]
+
+    def feasible(self, states: list[_State], worst: int) -> list[_State]:
+        """The states in which ``worst`` live bytes fit: a prefix, as states are sorted by
+        bytes freed, most first."""
+        return states[: bisect.bisect_right(states, (self.budget - worst, math.inf))]
+
+    def check(self, states: list[_State], lo: int, hi: int) -> list[_State]:
+        """Keep the states under budget at every point ``p`` with ``lo < p <= hi``."""
+        return self.feasible(states, max(self.need[max(lo + 1, 0) : hi + 1], default=0))
+
+    def take(self, item: Item, states: list[_State]) -> list[_State]:
+        """The states in which recomputing ``item`` whole fits, with it recomputed."""
+        if item.held_from:
+            worst = item.worst_inside(self.during, self.after)
+        else:  # the same in both phases (the common case, kept fast)
+            worst = max(self.need[item.start + 1 : item.end + 1], default=-item.held) + item.held
+        fits = self.feasible(states, max(worst, item.recompute_peak))
+        if item.recasts:
+            fits = [s for s in fits if self.recasts_fit(item, s)]
+        # those that reach the cap become equal: keep the cheapest (the last) of them
+        cap = self.cap
+        capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
+        fits = fits[max(0, capped - 1) :]
+        freed, cost, link = item.freed, item.cost, item
+        return [
+            (-(f if (f := freed - s[0]) < cap else cap), s[1] + cost, k, (link, s[3]))
+            for s, k in zip(fits, self.counter, strict=False)
+        ]
+
+    def recasts_fit(self, item: Item, state: _State) -> bool:
+        """Whether ``item``'s recompute and backward fit with the recasts ``state``'s choices
+        leave (its holders end before it begins: what covers them is chosen already)."""
+        room = self.budget - state[0]  # the budget plus what was freed before the item
+        return item.recast_peak(_chosen(state)) <= room
+
+    def run(self, item: Item, states: list[_State]) -> list[_State]:
+        """The states after ``item``'s span: it recomputed whole (any way), a run of its
+        children, or its children's own choices."""
+        if not self.useful[id(item)]:
+            return self.check(states, item.start, item.end)
+        kids = item.children
+        runs: dict[int, list[tuple[int, Item]]] = {}
+        for i, j, freed, flops, peak in item.runs if item.candidate else ():
+            if freed > 0:
+                runs.setdefault(i, []).append((j, item.run_item(i, j, freed, flops, peak)))
+        # arriving[k]: states that have passed children 0..k-1 (k = len(kids): all of them)
+        arriving: list[list[list[_State]]] = [[] for _ in range(len(kids) + 1)]
+        arriving[0] = [states]
+        cursor = item.start
+        for k, child in enumerate(kids):
+            here = self.check(_merge(arriving[k], self.grid), cursor, child.start)
+            if self.useful[id(child)]:
+                arriving[k + 1].append(self.run(child, here))
+            else:  # nothing to choose: check the points of its span not checked yet
+                arriving[k + 1].append(self.check(here, max(cursor, child.start), child.end))
+            for j, whole in runs.get(k, []):
+                arriving[j].append(self.take(whole, here))
+            cursor = max(cursor, child.end)
+        inside = self.check(_merge(arriving[len(kids)], self.grid), cursor, item.end)
+        return _merge([inside, *(self.take(whole, states) for whole in item.wholes())], self.grid)
+
+
+def min_peak(
+    root: Item, points: Sequence[tuple[int, int]], forward: Sequence[tuple[int, int]] = ()
+) -> int:
+    """The lowest budget :func:`solve` meets (within 0.1% of the baseline above the lowest
+    predicted peak any plan reaches)."""
+    baseline = max((b for _, b in (*points, *forward)), default=0)
+    lo, hi = 0, baseline  # hi is always feasible: the empty plan
+    tolerance = max(1, baseline // 1000)
+    while hi - lo > tolerance:
+        mid = (lo + hi) // 2
+        try:
+            solve(root, points, mid, forward)
+            hi = mid
+        except Infeasible:
+            lo = mid
+    return hi

@@ -1,0 +1,111 @@
+"""Claims 2 and 3: choose split points level by level against a preset count.
+
+The walk, exactly as the method page states it:
+
+1. Start with the level made of the root.
+2. At a level, every node whose children are *all leaves* is a split point and is appended to
+   the *mandatory list*, which is kept from then on. The level's *other nodes* are its nodes whose
+   children include a non-leaf. Leaves met on a level are neither: they stay unwrapped.
+3. The candidate scheme is the mandatory list followed by the level's other nodes.
+4. If the scheme has **more than** ``segments`` nodes, return it. Otherwise the next level is the
+   children of this level's other nodes; go to 2.
+5. When there is no next level, return the last scheme.
+
+The chosen nodes are never nested: a mandatory node is never descended into, and the other
+nodes of a level are replaced by their children when the walk descends.
+
+A module that cannot be recomputed exactly (``Node.recompute_reason``: its forward changes
+Python state, or an input of it is changed in place; :mod:`autoremat.record.side_effects`) is never
+a split point: the walk sees it dissolved, as claim 1 dissolves a container that never ran,
+its children in its place among its parent's children, so the count is still met where the
+tree allows. A leaf stays (leaves are never split points). The dissolved modules the walk met
+are reported with their reasons (``left_out``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autoremat.planning.strategy import Request, Strategy, left_out_warning
+from autoremat.record.tree import Node
+
+__all__ = ["DEFAULT_SEGMENTS", "STRATEGY", "choose_levels"]
+
+DEFAULT_SEGMENTS = 3
+
+
+def choose_levels(root: Node, segments: int, left_out: dict[str, str] | None = None) -> list[Node]:
+    """The split scheme of claims 2-3 for the tree under ``root`` and a preset ``segments``.
+
+    Returns the nodes of the scheme: the mandatory split points in the order they were met,
+    then the other nodes of the level where the walk stopped. Returns an empty list when the
+    root is a leaf. Nodes that cannot be recomputed exactly are dissolved (module docstring);
+    those the walk met are written to ``left_out`` (path -> reason). Pure otherwise: reads
+    the tree, changes nothing.
+
+    Raises:
+        ValueError: ``segments`` is negative.
+        TypeError: ``segments`` is not an int.
+    """
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        raise TypeError(f"segments must be an int, got {type(segments).__name__}")
+    if segments < 0:
+        raise ValueError(f"segments must be >= 0, got {segments}")
+    met: dict[str, str] = {} if left_out is None else left_out
+    mandatory: list[Node] = []
+    scheme: list[Node] = []
+    level = _dissolved([root], met)
+    while level:
+        others: list[Node] = []
+        for node in level:
+            if node.is_leaf:
+                continue
+            if all(child.is_leaf for child in _dissolved(node.children)):
+                mandatory.append(node)
+            else:
+                others.append(node)
+        scheme = mandatory + others
+        if len(scheme) > segments:
+            return scheme
+        level = _dissolved([child for node in others for child in node.children], met)
+    return scheme
+
+
+def _dissolved(nodes: list[Node], met: dict[str, str] | None = None) -> list[Node]:
+    """``nodes`` with each non-leaf that cannot be recomputed replaced by its children, in
+    place, recursively; the replaced ones written to ``met`` with their reasons."""
+    found: list[Node] = []
+    for node in nodes:
+        reason = node.recompute_reason
+        if reason is None or node.is_leaf:
+            found.append(node)
+            continue
+        if met is not None:
+            met.setdefault(node.path, reason)
+        found.extend(_dissolved(node.children, met))
+    return found
+
+
+def _check(request: Request) -> Request:
+    segments = request.segments
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        raise TypeError(f"segments must be an int, got {type(segments).__name__}")
+    if segments < 0:
+        raise ValueError(f"segments must be >= 0, got {segments}; try segments=3")
+    return request
+
+
+def _choose(tree: Node, request: Request) -> dict[str, Any]:
+    assert request.segments is not None
+    left_out: dict[str, str] = {}
+    chosen = choose_levels(tree, request.segments, left_out)
+    warning = left_out_warning(left_out, request.model_name)
+    return {
+        "modules": tuple(n.path for n in chosen),
+        "segments": request.segments,
+        "left_out": left_out,
+        "warnings": {} if warning is None else {"left_out": warning},
+    }
+
+
+STRATEGY = Strategy(name="levels", keyword="segments", needs="tree", check=_check, choose=_choose)

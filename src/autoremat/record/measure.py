@@ -1,0 +1,183 @@
+"""Measure one training step of a model: peak memory, memory saved for backward, FLOPs, time.
+
+:func:`measure` runs ``forward -> loss -> backward`` on example inputs, starting with every
+``.grad`` at ``None`` (as after ``optimizer.zero_grad(set_to_none=True)``), and leaves the model
+exactly as it found it (see :func:`autoremat.record.snapshot.preserved`). Memory comes from
+:class:`autoremat.record.memory.LiveMemory` (tensor storages created by the step, exact to the byte
+and the same on the ``meta`` device as on a real one), FLOPs from
+:class:`torch.utils.flop_counter.FlopCounterMode`, time from separate runs without either.
+
+On the ``meta`` device (model and inputs) nothing is computed or allocated, yet ``peak``,
+``saved`` and ``flops`` come out equal to the CPU figures (checked on linear chains with
+and without (selective) checkpointing, a GPT-2-like model, a BatchNorm CNN and Hugging
+Face GPT-2); ``seconds`` is then meaningless. Figures for another device can differ where
+the device picks other kernels (``scaled_dot_product_attention`` backends on CUDA save
+other tensors), and code that reads tensor values (``.item()``, data-dependent shapes)
+fails on ``meta``.
+
+See :class:`Measurement` for the exact definitions, and :mod:`autoremat.record.memory` for what
+the memory tracker cannot see (scratch buffers inside kernels, allocator rounding).
+
+Memory trackers (``measure(memory=...)``): ``"tensors"`` is
+:class:`~autoremat.record.memory.LiveMemory`; ``"allocator"`` what the allocator reports
+(:class:`~autoremat.record.memory.CudaMemory` on CUDA, what an out-of-memory error is about;
+:class:`~autoremat.record.memory.CpuAllocatorMemory` on CPU); ``"auto"`` (the default) is the
+allocator on CUDA and for a compiled model, tensors otherwise.
+
+A model compiled by ``torch.compile`` (an ``OptimizedModule``, or any submodule compiled in place
+with ``Module.compile()``) is measured by the allocator: on CPU
+:class:`autoremat.record.memory.CpuAllocatorMemory` (the profiler's memory events), on CUDA
+:class:`~autoremat.record.memory.CudaMemory`. A dispatch mode would make dynamo run the model
+eagerly and measure the eager step instead (and, in torch 2.13, never compile it again:
+:mod:`autoremat.record.compiled`). The step should be warm (compiled before), or the compile's own
+memory is counted. Its ``flops`` are then those of the eager step (``FlopCounterMode`` runs with the
+model forced eager): the compiled graphs may recompute other ops.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from autoremat.core.clock import timed
+from autoremat.core.devices import uses_cuda
+from autoremat.core.sizes import format_size
+from autoremat.record.compiled import is_compiled, running_eagerly
+from autoremat.record.memory import CpuAllocatorMemory, CudaMemory, LiveMemory
+from autoremat.record.snapshot import preserved
+from autoremat.record.step import LossFn, autocast_spec, default_loss, leaf_inputs, train_step
+
+__all__ = ["MEMORY", "Measurement", "measure"]
+
+# What measure(memory=...) accepts: "tensors" (LiveMemory, storages the step's ops return),
+# "allocator" (what the device allocator reports) and "auto" (the allocator on CUDA and for a
+# compiled model, tensors otherwise).
+MEMORY = ("auto", "tensors", "allocator")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one training step (forward, loss, backward) of a model cost.
+
+    Attributes:
+        peak: bytes; the most tensor memory alive at once during the forward and backward,
+            counting only storages the step created (activations, the loss, temporaries,
+            recomputed activations, gradients), i.e. above what was alive before the step.
+        saved: bytes; the tensor memory created during the forward (loss included) that is
+            still alive when the loss has been computed, just before backward: the activations
+            held for backward, selective-checkpoint caches, the model's outputs and the loss.
+        flops: floating-point operations the step executed, forward and backward, recompute
+            included, as counted by ``FlopCounterMode`` (matmuls, convolutions, attention;
+            elementwise ops count zero).
+        seconds: wall time of one step, the median of ``repeats`` runs made without any
+            tracking mode active.
+    """
+
+    peak: int
+    saved: int
+    flops: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return (
+            f"peak {format_size(self.peak)}, saved {format_size(self.saved)}, "
+            f"{self.flops / 1e9:.3f} GFLOP, {self.seconds * 1e3:.1f} ms/step"
+        )
+
+
+def measure(
+    model: nn.Module,
+    args: tuple[Any, ...] | Any = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    repeats: int = 1,
+    memory: str = "auto",
+    autocast: Any = None,
+) -> Measurement:
+    """Measure one training step of ``model(*args, **kwargs)``.
+
+    The step: every parameter's ``.grad`` set to ``None``, ``output = model(*args, **kwargs)``,
+    ``loss = loss_fn(output)`` (:func:`~autoremat.record.step.default_loss` when ``loss_fn`` is
+    None), ``loss.backward()``. It runs in the model's current mode (``train()``/``eval()``) with
+    gradients enabled, once under a memory tracker (for ``peak`` and ``saved``: ``memory``, one of
+    :data:`MEMORY`, see the module docstring), once under ``FlopCounterMode`` (for ``flops``), then
+    ``repeats`` times without either (for ``seconds``). Every run starts from the same global RNG
+    state, so dropout draws the same masks in each, and from ``.grad = None`` also for leaf inputs
+    requiring grad. ``args`` may be a single tensor. ``autocast`` (a dtype, or ``(device_type,
+    dtype)``): forward and loss under autocast.
+
+    The model is left as found (buffers, the ``.grad`` of parameters and of leaf inputs,
+    training flags, the global RNG state), also when the step raises (no optimizer runs).
+    :class:`Measurement` defines the figures.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: ``repeats`` is below 1; ``memory`` not one of :data:`MEMORY`, or
+            ``"tensors"`` for a compiled model; ``loss_fn`` returned something other than a tensor
+            with a single element (reduce it with ``.sum()``/``.mean()``); the loss does not
+            require grad (nothing to backpropagate); :func:`default_loss` found no
+            floating-point tensor in the output.
+        Exception: whatever the model's forward or backward raises, unchanged.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    inputs = leaf_inputs(args, kwargs)
+    loss, cast = loss_fn or default_loss, autocast_spec(autocast, model)
+
+    def run(after_forward: Any = None) -> None:
+        train_step(model, args, kwargs, loss, after_forward=after_forward, autocast=cast)
+
+    # Memory and FLOPs come from two runs: FlopCounterMode's module tracker keeps the autograd
+    # nodes of checkpoint recomputes alive (their recomputed activations with them) until it
+    # exits, which would inflate a checkpointed model's peak.
+    cuda = uses_cuda(model, (args, kwargs))
+    tracker = _tracker(memory, model, cuda)
+    with preserved(model, inputs), tracker as tracked:
+        run(after_forward=lambda: tracked.snapshot("forward"))
+    with preserved(model, inputs), running_eagerly(model), FlopCounterMode(display=False) as flops:
+        run()
+    return Measurement(
+        peak=tracked.peak,
+        saved=tracked.marks["forward"],
+        flops=flops.get_total_flops(),
+        seconds=_median_seconds(run, model, inputs, cuda, repeats),
+    )
+
+
+def _tracker(memory: str, model: nn.Module, cuda: bool) -> Any:
+    """The memory tracker ``memory`` names for this model (see :func:`measure`)."""
+    if memory not in MEMORY:
+        raise ValueError(f"memory must be one of {', '.join(MEMORY)}, got {memory!r}")
+    compiled = is_compiled(model)
+    if memory == "tensors" and compiled:
+        raise ValueError(
+            "memory='tensors' cannot measure a compiled model (dynamo would run it eagerly "
+            "under the tracker); use memory='allocator' or 'auto'"
+        )
+    if memory == "tensors":
+        return LiveMemory()
+    if cuda:
+        return CudaMemory()
+    if memory == "allocator" or compiled:
+        return CpuAllocatorMemory()
+    return LiveMemory()
+
+
+def _median_seconds(
+    run: Any, model: nn.Module, inputs: list[torch.Tensor], cuda: bool, repeats: int
+) -> float:
+    """The median wall time of ``repeats`` calls of ``run`` (synchronised on CUDA), each
+    from the model's state on entry."""
+    times = []
+    for _ in range(repeats):
+        with preserved(model, inputs):
+            times.append(timed(run, cuda)[1])
+    return statistics.median(times)

@@ -1,0 +1,305 @@
+"""Count the bytes of tensor memory a piece of code keeps alive, op by op.
+
+:class:`LiveMemory` is a :class:`~torch.utils._python_dispatch.TorchDispatchMode`: while it is
+active it sees the output of every ATen op that reaches the Python dispatcher, on every device
+(``cpu``, ``cuda``, ``meta``) and in every phase of a training step:
+
+* the forward pass;
+* the backward pass (the autograd engine carries the dispatch mode stack into the thread that
+  runs backward, so gradients, including the ``.grad`` of parameters, are seen);
+* the recompute that :func:`torch.utils.checkpoint.checkpoint` runs inside backward;
+* the outputs that selective checkpointing
+  (:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`) keeps in its own cache,
+  outside autograd's saved tensors (``saved_tensors_hooks`` do not see them; this mode does,
+  because the selective-checkpoint mode calls each op through the modes below it).
+
+What it counts
+    *Tensor storages*. Each :class:`torch.UntypedStorage` that first appears as the output of an
+    op while the mode is active, and is not the storage of one of that op's inputs, is *new*: it
+    is counted once, with its ``nbytes()``, however many views share it, from the op that made
+    it until the storage is freed. Frees are seen through a ``weakref`` callback on the Python
+    storage object: PyTorch keeps one Python object per storage alive for as long as the C++
+    storage lives (PyObject preservation), so the callback fires exactly when the last tensor,
+    view or autograd saved-tensor slot holding the storage lets go (checked on torch 2.13 by
+    ``tests/test_measure.py``). A storage that grows through an op (an ``out=`` argument
+    resized) is re-measured when an op returns it. The counts continue to fall after the mode
+    exits, as tracked storages die.
+
+What it does not count
+    * Storages that existed before the mode was entered (parameters, inputs, optimizer state),
+      even when an op writes into them or returns a view of them; and memory freed by them.
+    * Allocations inside a C++ kernel that never surface as an op output (a kernel's scratch
+      buffers, a ``.contiguous()`` copy made inside ``mm``, cuDNN/cuBLAS workspaces). Other
+      dispatch modes can change what is seen: what a mode entered *before* this one does runs
+      below it, out of sight; a mode entered *after* it sees ops first and may replace them
+      (``FlopCounterMode`` decomposes ops it has no formula for). Measure alone.
+    * Allocator behaviour: these are storage bytes, not allocator blocks. The CUDA caching
+      allocator rounds to 512-byte blocks and fragments; CPU allocators align. Use
+      :class:`CudaMemory` for what the CUDA allocator reports, :class:`CpuAllocatorMemory` for
+      what the CPU allocator reports.
+    * Tensors created without an op the dispatcher sees (``torch.from_numpy``, storages made
+      directly with ``torch.UntypedStorage(...)``), ``UntypedStorage.resize_`` called directly
+      (FSDP does this), sparse tensors and other tensors without a storage. Code compiled by
+      ``torch.compile`` is not seen at all: dynamo runs a model eagerly while a dispatch mode
+      is active, so this mode would measure the eager model. Measure a compiled model with
+      :class:`CpuAllocatorMemory` or :class:`CudaMemory`.
+    * Python garbage: a storage held by a reference cycle counts until the garbage collector
+      frees it, which is what the allocator sees too.
+
+Numbers are summed over devices; use the tracker on a model that lives on one device.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["CpuAllocatorMemory", "CudaMemory", "LiveMemory"]
+
+# Ops that return a tensor made outside the dispatcher (torch.tensor(...) data) as their output.
+_FRESH_OPS = frozenset({torch.ops.aten.lift_fresh.default})
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The untyped storages behind ``t`` (several for a traceable wrapper subclass, none for a
+    tensor without storage, such as a sparse tensor)."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        found: list[torch.UntypedStorage] = []
+        for attr in attrs:
+            inner = getattr(t, attr)
+            if isinstance(inner, torch.Tensor):
+                found.extend(_storages(inner))
+        return found
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError):
+        return []
+
+
+class LiveMemory(TorchDispatchMode):
+    """Live bytes of the tensor storages created while this mode is active.
+
+    Use as a context manager::
+
+        with LiveMemory() as mem:
+            out = model(x)
+            loss = out.sum()
+            saved = mem.snapshot("forward")   # bytes alive now, created inside
+            loss.backward()
+        mem.peak                              # most bytes alive at once, created inside
+
+    Attributes:
+        current: bytes of the storages created inside that are alive now.
+        peak: the largest ``current`` seen just after an op's outputs appeared (the live total
+            only rises when an op returns, so this is the maximum over time).
+        allocated: bytes of all storages created inside, alive or not.
+        marks: the values recorded by :meth:`snapshot` with a label.
+        events: with ``trace=True``, ``(op name, +bytes or -bytes, current)`` for every new
+            storage and every free, in order (a free names the op that made the storage).
+
+    Thread-safe: on CUDA the autograd engine runs backward on a device thread, where both the
+    mode and the free callbacks run. A ``LiveMemory`` may be entered again; storages it already
+    tracks stay tracked.
+    """
+
+    def __init__(self, trace: bool = False) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self.allocated = 0
+        self.marks: dict[str, int] = {}
+        self.trace = trace
+        self.events: list[tuple[str, int, int]] = []
+        # id(storage) -> [weakref to the storage, its nbytes, the op that made it]
+        self._live: dict[int, list[Any]] = {}
+        self._lock = threading.RLock()
+
+    def snapshot(self, label: str | None = None) -> int:
+        """Bytes alive now among the storages created inside; recorded in ``marks[label]``
+        when a label is given."""
+        with self._lock:
+            value = self.current
+            if label is not None:
+                self.marks[label] = value
+        return value
+
+    def reset_peak(self) -> None:
+        """Start the peak again from the bytes alive now."""
+        with self._lock:
+            self.peak = self.current
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outputs:
+            return out
+        known: set[int] = set()
+        if func not in _FRESH_OPS:
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    known.update(id(st) for st in _storages(t))
+        name = str(func)
+        with self._lock:
+            for t in outputs:
+                for st in _storages(t):
+                    self._add(st, known, name)
+            self.peak = max(self.peak, self.current)
+        return out
+
+    def _add(self, st: torch.UntypedStorage, inputs: set[int], name: str) -> None:
+        key = id(st)
+        entry = self._live.get(key)
+        if entry is not None:
+            size = st.nbytes()
+            if size != entry[1]:  # resized by the op (an out= argument)
+                self._change(entry[2], size - entry[1])
+                entry[1] = size
+            return
+        if key in inputs:
+            return  # an input's storage that existed before the mode was entered
+        size = st.nbytes()
+        ref = weakref.ref(st, self._freed_callback(key))
+        self._live[key] = [ref, size, name]
+        self.allocated += size
+        self._change(name, size)
+
+    def _freed_callback(self, key: int) -> Any:
+        def freed(_ref: Any) -> None:
+            with self._lock:
+                entry = self._live.pop(key, None)
+                if entry is not None:
+                    self._change(entry[2], -entry[1])
+
+        return freed
+
+    def _change(self, name: str, delta: int) -> None:
+        self.current += delta
+        if self.trace:
+            self.events.append((name, delta, self.current))
+
+
+class CudaMemory:
+    """What the CUDA caching allocator reports, with the same ``current``/``peak``/``snapshot``
+    interface as :class:`LiveMemory`; CUDA only, and not tested on machines without a GPU.
+
+    On entry it synchronizes, records ``torch.cuda.memory_allocated(device)`` and calls
+    ``torch.cuda.reset_peak_memory_stats(device)`` (which resets the peak statistic for every
+    other user of it). ``current`` is ``memory_allocated - start`` and ``peak`` is
+    ``max_memory_allocated - start``: allocator blocks (rounded to 512 bytes), including
+    kernels' scratch buffers and anything other code allocates on that device meanwhile, and not
+    including cuBLAS/cuDNN workspaces the allocator keeps reserved.
+    """
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        self.device = device
+        self.start = 0
+        self.marks: dict[str, int] = {}
+        self._final: tuple[int, int] | None = None  # (current, peak) when the block exited
+
+    def __enter__(self) -> CudaMemory:
+        torch.cuda.synchronize(self.device)
+        self.start = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._final = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # Freeze the figures: the allocator's statistics go on counting whatever runs next
+        # (measure's FLOP-counting and timing runs), which belongs to no measurement.
+        torch.cuda.synchronize(self.device)
+        self._final = (
+            torch.cuda.memory_allocated(self.device) - self.start,
+            torch.cuda.max_memory_allocated(self.device) - self.start,
+        )
+
+    @property
+    def current(self) -> int:
+        """Bytes allocated above the start (at exit, once the block has exited)."""
+        if self._final is not None:
+            return self._final[0]
+        return torch.cuda.memory_allocated(self.device) - self.start
+
+    @property
+    def peak(self) -> int:
+        """The allocator's peak above the start, over the block (frozen at exit)."""
+        if self._final is not None:
+            return self._final[1]
+        return torch.cuda.max_memory_allocated(self.device) - self.start
+
+    def snapshot(self, label: str | None = None) -> int:
+        value = self.current
+        if label is not None:
+            self.marks[label] = value
+        return value
+
+
+_MARK = "autoremat.record.memory.mark:"
+
+
+class CpuAllocatorMemory:
+    """What the CPU allocator reports, from the profiler's memory events, with the interface
+    of :class:`CudaMemory`: for code no dispatch mode may watch (a ``torch.compile``d model,
+    whose generated kernels allocate straight from the allocator).
+
+    On entry it starts ``torch.profiler.profile(activities=[CPU], profile_memory=True)``; on
+    exit it replays the allocator's events (every allocation and free of CPU memory, with its
+    size in bytes as requested, on every thread the profiler follows: a CPU backward runs on
+    the calling thread) in time order. ``current`` and ``peak`` are bytes above the start,
+    known once the block has exited; memory allocated before the block and freed inside
+    counts negative, as with ``memory_allocated``. :meth:`snapshot` leaves a mark in the
+    profile; its value is in ``marks`` after exit.
+
+    Not for use inside another ``torch.profiler`` session (the profiler raises). Sizes are the
+    bytes asked for, not the allocator's aligned blocks.
+    """
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self.marks: dict[str, int] = {}
+        self._labels: list[str] = []
+        self._profile: Any = None
+
+    def __enter__(self) -> CpuAllocatorMemory:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.current = self.peak = 0
+        self.marks, self._labels = {}, []
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def snapshot(self, label: str | None = None) -> None:
+        """Mark this point; with a label, ``marks[label]`` holds the bytes above the start
+        here once the block has exited."""
+        if label is not None:
+            with torch.profiler.record_function(_MARK + label):
+                pass
+
+    def __exit__(self, *exc: object) -> None:
+        self._profile.__exit__(*exc)
+        events = self._profile.profiler.kineto_results.events()
+        changes = sorted(
+            (e.start_ns(), e.nbytes())
+            for e in events
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        )
+        marks = sorted((e.start_ns(), e.name()[len(_MARK) :]) for e in events if _MARK in e.name())
+        self._profile = None
+        current = peak = 0
+        k = 0
+        for when, delta in changes:
+            while k < len(marks) and marks[k][0] < when:
+                self.marks[marks[k][1]] = current
+                k += 1
+            current += delta
+            peak = max(peak, current)
+        for _, label in marks[k:]:
+            self.marks[label] = current
+        self.current, self.peak = current, peak

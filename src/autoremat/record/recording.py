@@ -1,0 +1,433 @@
+"""Recording one training step: what each module saved, ran, held and when.
+
+:func:`record_step` runs forward, loss and backward once, without recompute, under the live
+memory tracker (:class:`~autoremat.record.memory.LiveMemory`), a dispatch mode that attributes every
+forward op to the innermost running module (:class:`OpCosts`), saved-tensor hooks and module
+hooks. It returns the raw facts as a :class:`Recording`; :mod:`autoremat.costs.model` derives
+the cost model from them. Nothing here knows of plans, solvers or wraps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import itertools
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from autoremat.core.entries import call_entry
+from autoremat.core.huggingface import cache_off_in_training, ordinary_positions_on_meta
+from autoremat.core.nested import iter_tensors, storage_key
+from autoremat.core.progress import Progress
+from autoremat.core.selective import WAYS, keeps, resolve
+from autoremat.record.memory import LiveMemory
+from autoremat.record.snapshot import preserved
+from autoremat.record.step import Autocast, LossFn, leaf_inputs, train_step
+from autoremat.record.tree import Node, tensor_infos
+
+__all__ = ["Event", "Kept", "OpCosts", "OwnOps", "Recording", "lineage", "record_step"]
+
+# (kind, path, peak since the previous event, live bytes now); kind is "start" or "end" of a
+# module's forward, "backward" when its backward began, "unpack" when backward first used what
+# it saved (or had used a cast it saved), "loss" when the forward ended, "done"
+Event = tuple[str, str, int, int]
+
+
+@dataclass
+class Kept:
+    """What the ops one way of selective recompute keeps cost, for one module."""
+
+    flops: int = 0
+    written: int = 0
+    # the storages it keeps: id -> (storage key, bytes)
+    storages: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass
+class OwnOps:
+    """What the ops a module ran itself (not in a child) cost, for one module."""
+
+    flops: int = 0
+    written: int = 0
+    ops: int = 0
+    kept: dict[str, Kept] = field(default_factory=lambda: {w: Kept() for w in WAYS})
+
+
+@dataclass
+class Recording:
+    """The facts of one recorded step (see the module docstring), by call: ``tree`` is the
+    tree of the step's calls (each node one call of a module, :class:`~autoremat.record.tree.Node`
+    with ``call`` set when its module ran several times), and every path below names a node
+    of it.
+
+    ``savers``: storage key -> (bytes, the innermost modules that saved it for backward);
+    ``input_keys``/``output_keys``: the new storages each module took in and gave out;
+    ``kept_savers``: kept output id -> who saved it; ``born``: kept output id -> the event
+    count when it was made; ``last_save``: module -> (event count, peak then) at its forward's
+    last save; ``unpacked``: module -> (order, live bytes) when backward first used what it
+    saved.
+    """
+
+    tree: Node
+    events: list[Event]
+    own_saved: dict[str, int]
+    own_ops: dict[str, OwnOps]
+    savers: dict[int, tuple[int, set[str]]]
+    input_keys: dict[str, dict[int, int]]
+    output_keys: dict[str, set[int]]
+    kept_savers: dict[int, set[str]]
+    born: dict[int, int]
+    last_save: dict[str, tuple[int, int]]
+    unpacked: dict[str, tuple[int, int]]
+    # kept output ids that an op changed in place after they were made (selective
+    # checkpointing refuses such a cached tensor in the recompute)
+    changed: set[int] = field(default_factory=set)
+    # node -> the copies of a parameter, buffer or input in another dtype or device (autocast's
+    # cast of a weight) its own ops read that another node made: storage key -> (bytes, the
+    # node whose op made it) (autocast's cast cache handed them over; a recompute, in an
+    # autocast region of its own, casts them again)
+    cast_reads: dict[str, dict[int, tuple[int, str]]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )
+    # the index of the "unpack" event marked when backward first used what a node saved; and
+    # for each cast a node saved, the event that ends the last stretch of backward in which
+    # its grad_fns held it: (node, storage key) -> event index
+    unpack_events: dict[str, int] = field(default_factory=dict)
+    cast_unpacks: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    @functools.cached_property
+    def family(self) -> tuple[dict[str, str | None], dict[str, int]]:
+        """Each node's parent and depth (:func:`lineage` of the tree), worked out once."""
+        return lineage(self.tree)
+
+    def within(self, inner: str, outer: str) -> bool:
+        """Whether node ``inner`` is ``outer`` or a node of its subtree (a path that is no node,
+        such as the loss's, counts as the root)."""
+        parent, depth = self.family
+        if inner not in depth:
+            return parent.get(outer, "") is None
+        while depth[inner] > depth.get(outer, 0):
+            inner = parent[inner]  # type: ignore[assignment]
+        return inner == outer
+
+
+class OpCosts(TorchDispatchMode):
+    """Adds each forward op's FLOPs (``torch.utils.flop_counter`` formulas) and the bytes of
+    the new storages it wrote to the running module, and apart, for each way of selective
+    recompute, those of the ops whose outputs it keeps."""
+
+    def __init__(
+        self,
+        stack: list[str],
+        own: dict[str, OwnOps],
+        clock: Callable[[], int],
+        preexisting: frozenset[int] = frozenset(),
+    ) -> None:
+        super().__init__()
+        self.stack = stack
+        self.own = own
+        self.clock = clock
+        self.preexisting = preexisting  # storage keys of parameters, buffers and inputs
+        # the copies made of parameters, buffers and inputs (``_to_copy``, as autocast casts a
+        # weight): storage key -> (bytes, the node whose op made it)
+        self.casts: dict[int, tuple[int, str]] = {}
+        self.cast_reads: dict[str, dict[int, tuple[int, str]]] = defaultdict(dict)
+        self.born: dict[int, int] = {}  # kept output id -> the clock when it was made
+        self.changed: set[int] = set()  # kept output ids changed in place after
+        self.counting = True
+        self.keep = {way: resolve(ops) for way, ops in WAYS.items()}
+        # storage key -> id of the kept output that has it now (a key can be reused once the
+        # storage is freed: ids tell the storages apart)
+        self.current: dict[int, int] = {}
+        self.ids = itertools.count()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.counting:
+            return out
+        own = self.own[self.stack[-1]]
+        if func._schema.is_mutable:
+            self._changes(func, args, kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        seen = {storage_key(t) for _, t in iter_tensors((args, kwargs))}
+        new: dict[int, int] = {}
+        for _, t in iter_tensors(out):
+            key = storage_key(t)
+            if key is not None and key not in seen:
+                new[key] = t.untyped_storage().nbytes()
+                self.current.pop(key, None)
+                self.casts.pop(key, None)
+        self._casts(func, seen, new)
+        written = sum(new.values())
+        own.flops += flops
+        own.written += written
+        own.ops += 1
+        self._keep(func, args, kwargs, own, flops, written, new)
+        return out
+
+    def _casts(self, func: Any, seen: set[int | None], new: dict[int, int]) -> None:
+        """Note the copies ``func`` made of a parameter, buffer or input (``_to_copy``, as
+        autocast casts a weight), and the copies another node made that it reads."""
+        here = self.stack[-1]
+        for key in seen:
+            made = self.casts.get(key)  # type: ignore[arg-type]
+            if made is not None and made[1] != here:
+                self.cast_reads[here][key] = made  # type: ignore[index]
+        if func is torch.ops.aten._to_copy.default and not self.preexisting.isdisjoint(seen):
+            self.casts.update((key, (size, here)) for key, size in new.items())
+
+    def _changes(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Note the kept outputs that ``func`` writes to in place (``add_``, ``out=``)."""
+        given = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
+        for a in func._schema.arguments:
+            if a.alias_info is not None and a.alias_info.is_write:
+                for _, t in iter_tensors(given.get(a.name)):
+                    uid = self.current.get(storage_key(t))  # type: ignore[arg-type]
+                    if uid is not None:
+                        self.changed.add(uid)
+
+    def _keep(self, func: Any, args: Any, kwargs: Any, own: OwnOps, flops: int, written: int,
+              new: dict[int, int]) -> None:  # fmt: skip
+        uids: dict[int, int] = {}
+        for way, packets in self.keep.items():
+            if keeps(func, args, kwargs, packets):
+                kept = own.kept[way]
+                kept.flops += flops
+                kept.written += written
+                for key, size in new.items():
+                    if key not in uids:
+                        self.current[key] = uids[key] = next(self.ids)
+                        self.born[uids[key]] = self.clock()
+                    kept.storages[uids[key]] = (key, size)
+
+
+def lineage(tree: Node) -> tuple[dict[str, str | None], dict[str, int]]:
+    """Each node's parent (``None`` for the root) and depth."""
+    parent: dict[str, str | None] = {tree.path: None}
+    depth: dict[str, int] = {tree.path: 0}
+    for node in tree.walk():
+        for child in node.children:
+            parent[child.path] = node.path
+            depth[child.path] = depth[node.path] + 1
+    return parent, depth
+
+
+class _Recorder:
+    """The hooks of one recorded step, writing into one :class:`Recording`. Every call of a
+    module is a node of its own, named ``path@k`` while recording (:func:`_name_calls` names
+    those of modules that ran once by their path when the step is done); its parent is the
+    call that was running when it began."""
+
+    def __init__(self, model: nn.Module, tree: Node, inputs: list[torch.Tensor]) -> None:
+        self.root = call_entry("", 0)
+        self.stack: list[str] = [self.root]
+        self.memory = LiveMemory()
+        self.parent: dict[str, str | None] = {self.root: None}
+        self.calls: dict[str, Node] = {}
+        self.modules = {id(n.module): n for n in tree.walk()}
+        self.count: dict[int, int] = defaultdict(int)
+        self.preexisting = frozenset(
+            key
+            for t in [*model.parameters(), *model.buffers(), *inputs]
+            if (key := storage_key(t)) is not None
+        )
+        self.grad_hooks: list[Any] = []
+        self.progress = Progress("profiling", sum(n.calls for n in tree.walk()), "module calls")
+        self.rec = Recording(
+            tree=tree,
+            events=[],
+            own_saved=defaultdict(int),
+            own_ops=defaultdict(OwnOps),
+            savers={},
+            input_keys=defaultdict(dict),
+            output_keys=defaultdict(set),
+            kept_savers=defaultdict(set),
+            born={},
+            last_save={},
+            unpacked={},
+        )
+        self.costs = OpCosts(
+            self.stack, self.rec.own_ops, lambda: len(self.rec.events), self.preexisting
+        )
+        self.rec.born = self.costs.born
+        self.rec.changed = self.costs.changed
+        self.rec.cast_reads = self.costs.cast_reads
+
+    def mark(self, kind: str, path: str) -> None:
+        self.rec.events.append((kind, path, self.memory.peak, self.memory.current))
+        self.memory.reset_peak()
+
+    def pack(self, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+        rec, here = self.rec, self.stack[-1]
+        if self.costs.counting:
+            path: str | None = here
+            while path is not None:
+                rec.last_save[path] = (len(rec.events), self.memory.peak)
+                path = self.parent.get(path)
+        key = storage_key(t)
+        if key is None or key in self.preexisting:
+            return here, t
+        if key not in rec.savers:
+            rec.savers[key] = (t.untyped_storage().nbytes(), set())
+            rec.own_saved[here] += t.untyped_storage().nbytes()
+        rec.savers[key][1].add(here)
+        uid = self.costs.current.get(key)
+        if uid is not None:
+            rec.kept_savers[uid].add(here)
+        return here, t
+
+    def unpack(self, packed: tuple[str, torch.Tensor]) -> torch.Tensor:
+        rec, path = self.rec, packed[0]
+        if path not in rec.unpacked:
+            self.mark("unpack", path)
+        here: str | None = path
+        while here is not None and here not in rec.unpacked:
+            rec.unpacked[here] = (len(rec.unpacked), self.memory.current)
+            rec.unpack_events[here] = len(rec.events) - 1
+            here = self.parent.get(here)
+        if self.costs.casts and (key := storage_key(packed[1])) in self.costs.casts:
+            self._cast_used(path, key)
+        return packed[1]
+
+    def _cast_used(self, path: str, key: int) -> None:
+        """Backward's grad_fn of ``path`` uses the cast ``key``: mark when it has run (it lets
+        what it saved go then), in :attr:`Recording.cast_unpacks`."""
+        node = torch._C._current_autograd_node()
+        if node is None:  # not in a grad_fn: the stretch that begins now holds it
+            self.mark("unpack", path)
+            self.rec.cast_unpacks[path, key] = len(self.rec.events)
+            return
+
+        def ran(_grad_inputs: Any, _grad_outputs: Any) -> None:
+            self.mark("unpack", path)
+            self.rec.cast_unpacks[path, key] = len(self.rec.events) - 1
+
+        node.register_hook(ran)
+
+    def enter(self, module: nn.Module, a: Any, kw: Any) -> None:
+        node = self.modules[id(module)]
+        k = self.count[id(module)]
+        self.count[id(module)] += 1
+        name = call_entry(node.path, k)
+        caller = None if name == self.root else self.stack[-1]
+        self.parent[name] = caller
+        self.calls[name] = call = dataclasses.replace(
+            node, path=name, children=[], call=k, calls=0,
+            inputs=tuple(tensor_infos(a, "args") + tensor_infos(kw, "kwargs")), outputs=(),
+        )  # fmt: skip
+        if caller is not None:
+            self.calls[caller].children.append(call)
+        self.mark("start", name)
+        self.stack.append(name)
+        self.rec.input_keys[name].update(
+            (key, t.untyped_storage().nbytes())
+            for _, t in iter_tensors((a, kw))
+            if (key := storage_key(t)) is not None and key not in self.preexisting
+        )
+
+    def leave(self, module: nn.Module, a: Any, kw: Any, out: Any) -> None:
+        path = self.stack.pop()
+        self.calls[path].outputs = tuple(tensor_infos(out, "out"))
+        self.mark("end", path)
+        self.progress.step()
+        keys = (storage_key(t) for _, t in iter_tensors(out))
+        self.rec.output_keys[path].update(k for k in keys if k is not None)
+        needs_grad = [t for _, t in iter_tensors(out) if t.requires_grad]
+        if needs_grad:
+            self.grad_hooks.append(
+                torch.autograd.graph.register_multi_grad_hook(
+                    needs_grad, lambda _g, p=path: self.mark("backward", p), mode="any"
+                )
+            )
+
+    def after_forward(self) -> None:
+        self.costs.counting = False
+        self.mark("loss", self.root)
+
+    def finish(self) -> Recording:
+        """The recording, its tree the root's call, each call named as a profile names it."""
+        self.mark("done", self.root)
+        names: dict[str, str] = {}
+        for key, call in self.calls.items():
+            call.calls = self.count[id(call.module)]
+            if call.calls == 1:
+                names[key] = call.path = call.module_path
+                call.call = None
+        self.rec.tree = self.calls[self.root]
+        return _name_calls(self.rec, names)
+
+
+def _name_calls(rec: Recording, names: dict[str, str]) -> Recording:
+    """``rec`` with every node named ``old`` in ``names`` named ``names[old]`` instead."""
+
+    def rekey(d: Any) -> Any:
+        out = copy.copy(d)
+        out.clear()
+        out.update((names.get(k, k), v) for k, v in d.items())
+        return out
+
+    rec.events = [(kind, names.get(p, p), peak, now) for kind, p, peak, now in rec.events]
+    for name in (
+        "own_saved", "own_ops", "input_keys", "output_keys", "last_save", "unpacked", "cast_reads"
+    ):  # fmt: skip
+        setattr(rec, name, rekey(getattr(rec, name)))
+    rec.unpack_events = {names.get(p, p): i for p, i in rec.unpack_events.items()}
+    rec.cast_unpacks = {(names.get(p, p), k): i for (p, k), i in rec.cast_unpacks.items()}
+    for reads in rec.cast_reads.values():
+        reads.update((k, (size, names.get(p, p))) for k, (size, p) in reads.items())
+    rec.savers = {
+        k: (size, {names.get(p, p) for p in who}) for k, (size, who) in rec.savers.items()
+    }
+    for who in rec.kept_savers.values():
+        renamed = {names.get(p, p) for p in who}
+        who.clear()
+        who.update(renamed)
+    return rec
+
+
+def record_step(
+    model: nn.Module,
+    args: Any,
+    kwargs: dict[str, Any] | None,
+    tree: Node,
+    loss_fn: LossFn | None,
+    meta: bool,
+    autocast: Autocast | None = None,
+    hf_cache: bool = False,
+) -> Recording:
+    """Run one training step of ``model`` (see :func:`autoremat.record.step.train_step`) and record
+    it (module docstring); ``tree`` is the module tree (:func:`autoremat.record.tree.build_tree`),
+    the recording's tree the step's calls. Hugging Face caches are off in training, as once
+    wrapped (on ``meta`` too: :func:`~autoremat.core.huggingface.ordinary_positions_on_meta`),
+    unless ``hf_cache``. The model is left as it was found."""
+    inputs = [t for _, t in iter_tensors((args, kwargs))]
+    rec = _Recorder(model, tree, inputs)
+    handles = []
+    for m in {id(n.module): n.module for n in tree.walk()}.values():
+        handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))
+        handles.append(m.register_forward_hook(rec.leave, with_kwargs=True))
+    positions = ordinary_positions_on_meta() if meta else contextlib.nullcontext()
+    cache_off = contextlib.nullcontext() if hf_cache else cache_off_in_training(model)
+    saved = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
+    try:
+        with preserved(model, leaf_inputs(args, kwargs)), cache_off, positions:
+            with rec.memory, rec.costs, saved:
+                train_step(
+                    model, args, kwargs, loss_fn, after_forward=rec.after_forward, autocast=autocast
+                )
+            recording = rec.finish()
+    finally:
+        for h in handles + rec.grad_hooks:
+            h.remove()
+    return recording

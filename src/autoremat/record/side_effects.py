@@ -1,0 +1,436 @@
+"""What a recompute cannot replay, found on the forward that builds the module tree.
+
+A recomputed module's forward runs again in backward (``torch.utils.checkpoint``,
+non-reentrant). The wrap replays the global random state (torch's, Python's ``random``,
+NumPy's) and puts the module's buffers back; it cannot replay the rest of what a forward reads
+and changes. :class:`ReplayCheck` holds module hooks that :func:`autoremat.record.tree.build_tree`
+calls on every module call of the forward it runs, which both strategies use (the budget
+strategy's profile starts with that tree). It finds two things:
+
+* **Python state** (:attr:`ReplayCheck.replay`). The Python attributes of the called module
+  *and of every module inside it* (their ``__dict__``, less torch's own entries: parameters,
+  buffers, submodules, the hook dicts; ``training`` is kept) when the call began, against
+  the same when the whole forward has ended, which is what a recompute in backward would
+  see. Numbers, strings and other plain values compare by value; lists, tuples, dicts, sets
+  and deques by type, length and items; tensors by identity and version counter (an
+  in-place update of a plain tensor attribute, which is no buffer the wrap restores); random
+  generators (``torch.Generator``, ``random.Random``, NumPy's) by state; other objects by
+  identity and their own attributes, one object deep. A difference means a recompute would
+  read other values (a warm-up counter ``self.step += 1``, a flag its parent set for this
+  call only, a private generator's next numbers) or do a side effect twice (a list appended
+  to). Such a module cannot be recomputed exactly, and neither can a module around it:
+  recomputing the parent runs the child's forward again (the parent's own call covers the
+  child's attributes, so it is found the same way). A parent that sets a child's attribute
+  before each call, and so replays it, is not left out for it; the child is.
+  :func:`~autoremat.record.tree.build_tree` looks quickly on its forward and, when anything
+  changed, in detail on a *second* forward, whose findings it keeps (a first forward may set
+  things up once: a Hugging Face classification head sets ``config.problem_type``), so only
+  what changes on every forward counts.
+* **Inputs changed in place** (:attr:`ReplayCheck.inplace`). The version counter of every
+  tensor among the call's arguments (:func:`autoremat.core.nested.iter_tensors`; inference tensors
+  have none and are skipped) when the call began, against its value when the call returned,
+  when its caller's call returned and when the forward ended. ``checkpoint`` keeps a
+  recomputed module's inputs for its recompute, and one changed in place since then fails
+  backward (torch's "modified by an inplace operation", naming no module, or the wrap's
+  ``CheckpointError``). This concerns the module's boundary only. A module around it
+  recomputes from its own inputs: a tensor made inside it and changed in place by a child is
+  made again and changed again, identically (``nn.ReLU(inplace=True)`` after a BatchNorm in a
+  Sequential: the ReLU cannot be recomputed alone, the Sequential can); when the tensor is
+  also the outer module's input, the outer module's own check finds it. An output the caller
+  changes in place matters only when it is an input of the module or a view of one (views
+  share their base's version counter), and the check of that input finds it: a BatchNorm
+  whose output an in-place ReLU then changes is recomputed exactly (checkpoint makes the
+  output again; nothing kept it).
+
+Cost: no tensor is copied or read. A first, quick look flattens (at most :data:`MAX_TOKENS`
+items per attribute, :data:`MAX_CONTAINER_DEPTH` containers deep) the attributes of every module
+when
+the forward begins and ends, and of each called module when its call begins: about three
+look-ups of each module's ``__dict__``. Only when that finds a change does a second forward
+run with the detailed look, which flattens, per call, the attributes of every module inside
+the called one (about the number of modules times the depth of the tree). Each tensor
+argument costs two weak references and a few reads of its version counter, and is held (not
+copied) until its caller's call returns, or longer while it is that call's own argument or
+output: the forward then keeps the arguments of the finished calls of each running call
+alive, about what a forward that keeps every block's input holds, less than a training
+forward. Measured: 4-7 ms per plan on the built-in models (2-core CPU).
+
+Not seen: state outside the modules' attributes (module-level globals, closures, a clock,
+files), objects deeper than one object or :data:`MAX_CONTAINER_DEPTH` containers, items past
+:data:`MAX_TOKENS`, nondeterministic kernels; an argument changed in place, once its caller
+has returned, through an alias that shares its version counter but is no view of it
+(``detach()``) while the argument itself is gone; a forward that changes attributes of a
+module outside its own subtree is found for the module around both, not for itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import itertools
+import numbers
+import random
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoremat.core.classes import ATTR_PREFIX
+from autoremat.core.nested import iter_tensors, storage_key, version_of
+
+__all__ = ["MAX_CONTAINER_DEPTH", "MAX_TOKENS", "ReplayCheck", "module_state"]
+
+# Items of one attribute's value compared, at most (a longer list is compared by its length
+# and first items); and how many containers or objects deep its value is entered.
+MAX_TOKENS = 256
+MAX_CONTAINER_DEPTH = 3
+
+# torch's own entries of a module's __dict__ (parameters, buffers, submodules, hook dicts);
+# 'training' stays: a forward that flips it changes what a recompute does
+_TORCH_ENTRIES = frozenset(nn.Module().__dict__) - {"training"}
+_TORCH_PREFIXES = ("_forward", "_backward", "_state_dict", "_load_state_dict", ATTR_PREFIX)
+_BY_VALUE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device,
+             torch.layout, torch.memory_format, enum.Enum, type, slice, range)  # fmt: skip
+_PLAIN = frozenset({int, bool, str, type(None)})  # the usual attribute values, fast
+_ATTR = "attr"  # marks an object's attribute among the items: (_ATTR, name)
+_CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
+# objects compared by identity only: their attributes are code or torch's, not state
+_OPAQUE = (nn.Module, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType, functools.partial, torch.Tensor)  # fmt: skip
+
+
+class _Ref:
+    """An object compared by identity (and, for a tensor, its version counter); weakly held
+    where the object allows it (a dead one compares unequal to anything)."""
+
+    __slots__ = ("ref", "strong", "version")
+
+    def __init__(self, obj: Any, version: int | None = None) -> None:
+        try:
+            self.ref: Any = weakref.ref(obj)
+            self.strong: Any = None
+        except TypeError:
+            self.ref, self.strong = None, obj
+        self.version = version
+
+    def target(self) -> Any:
+        return self.strong if self.ref is None else self.ref()
+
+    def same(self, other: _Ref) -> bool:
+        mine = self.target()
+        return mine is not None and mine is other.target() and self.version == other.version
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Ref) and self.same(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _first_difference(a: list[Any], b: list[Any]) -> int | None:
+    """Where two flattened values first differ (objects by identity), or ``None``."""
+    try:
+        if a == b:  # the usual case, compared in C
+            return None
+    except Exception:  # a value whose == misbehaves: compare item by item
+        pass
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x is y:
+            continue
+        if type(x) is not type(y):
+            return i
+        if isinstance(x, _Ref):
+            if not x.same(y):
+                return i
+        elif x != y:  # tuples of (type, plain value)
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _plain(value: Any) -> Any:
+    """A random generator's state (dicts, tuples, ints, arrays) as a comparable value."""
+    if isinstance(value, dict):
+        return tuple((k, _plain(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    if hasattr(value, "tobytes"):  # a NumPy array
+        return value.tobytes()
+    return value
+
+
+def _generator_state(value: Any) -> Any:
+    """The state of a random generator (``torch.Generator``, ``random.Random``, NumPy's
+    ``Generator``, ``RandomState`` or bit generator), or ``None`` for anything else."""
+    if isinstance(value, torch.Generator):
+        return tuple(value.get_state().tolist())
+    if isinstance(value, random.Random):
+        return value.getstate()
+    if type(value).__module__.startswith("numpy.random"):
+        if hasattr(value, "bit_generator"):
+            return _plain(value.bit_generator.state)
+        if hasattr(value, "get_state"):
+            return _plain(value.get_state(legacy=False))
+        if hasattr(value, "state"):
+            return _plain(value.state)
+    return None
+
+
+class _Flattener:
+    """Flattens attribute values into comparable items, an object's attributes once per
+    moment; with ``objects=False``, objects other than random generators by identity only."""
+
+    def __init__(self, objects: bool = True) -> None:
+        self.memo: dict[int, list[Any]] = {}
+        self.objects = objects
+
+    def items(self, value: Any) -> list[Any]:
+        if type(value) in _PLAIN:
+            return [(type(value), value)]
+        out: list[Any] = []
+        try:
+            self._add(value, out, MAX_CONTAINER_DEPTH)
+        except Exception:  # an object that cannot be looked into: compare by identity
+            out = [_Ref(value)]
+        return out[: MAX_TOKENS + 1]
+
+    def _add(self, value: Any, out: list[Any], depth: int) -> None:
+        if len(out) >= MAX_TOKENS:
+            if len(out) == MAX_TOKENS:
+                out.append(("...",))
+            return
+        if isinstance(value, float):
+            out.append((float, value.hex()))
+        elif isinstance(value, (*_BY_VALUE, numbers.Number)):
+            out.append((type(value), value))
+        elif isinstance(value, torch.Tensor):
+            out.append(_Ref(value, version_of(value)))
+        elif isinstance(value, _CONTAINERS):
+            out.append((type(value), len(value)))
+            if depth:
+                items = value.items() if isinstance(value, dict) else ((v,) for v in value)
+                for part in itertools.chain.from_iterable(items):
+                    if len(out) > MAX_TOKENS:
+                        break
+                    self._add(part, out, depth - 1)
+        else:
+            self._object(value, out, depth)
+
+    def _object(self, value: Any, out: list[Any], depth: int) -> None:
+        state = _generator_state(value)
+        if state is not None:
+            out.append((type(value), state))
+            return
+        out.append(_Ref(value))
+        if not (depth and self.objects) or isinstance(value, _OPAQUE):
+            return
+        try:
+            attrs = object.__getattribute__(value, "__dict__")
+        except AttributeError:  # no instance attributes (slots, a C type)
+            return
+        if not isinstance(attrs, dict):
+            return
+        if id(value) not in self.memo:
+            inner: list[Any] = []
+            for name, v in attrs.items():
+                inner.append((_ATTR, name))
+                self._add(v, inner, min(depth, 1) - 1)
+            self.memo[id(value)] = inner
+        out.extend(self.memo[id(value)])
+
+
+State = dict[str, list[Any]]
+
+
+def module_state(module: nn.Module, flat: _Flattener | None = None) -> State:
+    """The Python attributes of ``module`` (its ``__dict__`` less torch's own entries and
+    autoremat's), by name, each flattened into comparable items (module docstring)."""
+    attrs = module.__dict__
+    names = attrs.keys() - _TORCH_ENTRIES
+    if not names:
+        return {}
+    flat = _Flattener() if flat is None else flat
+    return {n: flat.items(attrs[n]) for n in sorted(names) if not n.startswith(_TORCH_PREFIXES)}
+
+
+def _changed(before: State, after: State) -> str | None:
+    """The first attribute whose value differs (``config.problem_type`` for an attribute of
+    an object held in ``config``), or ``None``."""
+    for name in itertools.chain(before, (n for n in after if n not in before)):
+        if name not in before or name not in after:
+            return name
+        items = before[name]
+        i = _first_difference(items, after[name])
+        if i is None:
+            continue
+        marks = [t[1] for t in items[: i + 1] if type(t) is tuple and t[:1] == (_ATTR,)]
+        return f"{name}.{marks[-1]}" if marks else name
+    return None
+
+
+@dataclass
+class _Input:
+    """One tensor argument of a call (``owner``): where it sat, the tensor itself while its
+    caller's call runs, then weak references to it and to its base (a view shares its base's
+    version counter), its version when the call began, its storage."""
+
+    owner: _Call
+    where: str
+    tensor: torch.Tensor | None
+    ref: Any
+    base: Any
+    version: int
+    storage: int | None
+
+    def changed(self) -> bool:
+        """Whether its version moved since the call began (never once neither it nor its
+        base is alive: then nothing can change it any more)."""
+        t = self.tensor if self.tensor is not None else self.ref()
+        if t is None and self.base is not None:
+            t = self.base()
+        return t is not None and version_of(t) != self.version
+
+
+@dataclass
+class _Call:
+    """One module call: the states of the modules inside it when it began, the module's own
+    state when it returned, its tensor arguments, and those of the calls it made (``held``,
+    checked and let go when it returns)."""
+
+    module: nn.Module
+    states: list[tuple[nn.Module, State]]
+    objects: bool = True  # whether the states look into objects
+    inputs: list[_Input] = field(default_factory=list)
+    held: list[_Input] = field(default_factory=list)
+    own_after: State | None = None
+    aliases: dict[str, str] = field(default_factory=dict)  # input where -> output where
+
+
+def _inputs(call: _Call, args: Any, kwargs: Any) -> list[_Input]:
+    found = []
+    tensors = itertools.chain(iter_tensors(args, "args"), iter_tensors(kwargs, "kwargs"))
+    for where, t in tensors:
+        version = version_of(t)
+        if version is None:
+            continue
+        base = t._base
+        found.append(
+            _Input(call, where, t, weakref.ref(t), None if base is None else weakref.ref(base),
+                   version, storage_key(t))
+        )  # fmt: skip
+    return found
+
+
+class ReplayCheck:
+    """The hooks of the check (module docstring): :meth:`enter` at every forward pre-hook,
+    :meth:`leave` at every forward hook, :meth:`finish` once the forward has ended. Then
+    :attr:`replay` and :attr:`inplace` map ``id(module)`` to the reason, which names the
+    module paths of ``paths`` (``id(module) -> path``). A module's first reason is kept.
+
+    With ``detailed=False``, a quicker first look: the outermost call's states cover every
+    module inside it (so any change to the Python state of the model is seen), each other
+    call's only its own module, objects by identity. It finds whether anything changed (a
+    non-empty :attr:`replay`), not every module a change concerns: run a detailed check on
+    another forward then (:func:`autoremat.record.tree.build_tree` does).
+
+    A call's tensor arguments are held (referenced, not copied) until the call that made it
+    returns, or longer when they are that call's own arguments or outputs: a caller that
+    changes them in place and lets them go before the forward ends is seen. This keeps the
+    arguments of the finished calls of each running call alive, about what a forward that
+    keeps every block's input holds, less than a training forward."""
+
+    def __init__(self, paths: dict[int, str], detailed: bool = True) -> None:
+        self.paths = paths
+        self.detailed = detailed
+        self.replay: dict[int, str] = {}
+        self.inplace: dict[int, str] = {}
+        self.calls: list[_Call] = []
+        self.running: list[_Call] = []
+        self.inside: dict[int, list[nn.Module]] = {}
+
+    def enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        key = id(module)
+        full = self.detailed or not self.running
+        if full and key not in self.inside:
+            self.inside[key] = list(module.modules())
+        flat = _Flattener(objects=full)
+        mods = self.inside[key] if full else [module]
+        call = _Call(module, [(m, module_state(m, flat)) for m in mods], objects=full)
+        call.inputs = _inputs(call, args, kwargs)
+        if self.running:
+            self.running[-1].held.extend(call.inputs)
+        self.calls.append(call)
+        self.running.append(call)
+
+    def leave(self, module: nn.Module, out: Any) -> None:
+        if not self.running or self.running[-1].module is not module:
+            return  # a call whose pre-hook did not run (hooks added during the forward)
+        call = self.running.pop()
+        call.own_after = module_state(module)
+        outputs = {storage_key(t): w for w, t in iter_tensors(out, "out")}
+        for arg in call.inputs:
+            if arg.storage is not None and arg.storage in outputs:
+                call.aliases[arg.where] = outputs[arg.storage]
+            if arg.changed():
+                self._flag(call, f"its forward changes its input {arg.where!r} in place")
+        own = {arg.storage for arg in call.inputs} | set(outputs)
+        for arg in call.held:  # the arguments of the calls it made, changed since?
+            if arg.changed():
+                self._after(arg)
+            if arg.storage in own and self.running:
+                self.running[-1].held.append(arg)  # its caller has it too
+            else:
+                arg.tensor = None
+
+    def finish(self) -> None:
+        """Compare every call's states and inputs with the end of the forward."""
+        end: dict[tuple[int, bool], State] = {}
+        flats = {True: _Flattener(), False: _Flattener(objects=False)}
+        for call in self.calls:
+            key = id(call.module)
+            for m, before in call.states if key not in self.replay else ():
+                at = (id(m), call.objects)
+                if at not in end:
+                    end[at] = module_state(m, flats[call.objects])
+                name = _changed(before, end[at])
+                if name is not None:
+                    self.replay[key] = self._state_reason(call, m, name)
+                    break
+            for arg in call.inputs:
+                if arg.changed():
+                    self._after(arg)
+                arg.tensor = None
+
+    def _flag(self, call: _Call, what: str) -> None:
+        self.inplace.setdefault(
+            id(call.module),
+            f"{what} (checkpoint keeps its inputs for the recompute, so backward would fail)",
+        )
+
+    def _after(self, arg: _Input) -> None:
+        out = arg.owner.aliases.get(arg.where)
+        if out is not None:
+            what = f"its output {out!r} is its input {arg.where!r} or a view of it, and is"
+        else:
+            what = f"its input {arg.where!r} is"
+        self._flag(arg.owner, f"{what} changed in place after it returns")
+
+    def _state_reason(self, call: _Call, m: nn.Module, name: str) -> str:
+        if m is not call.module:
+            return (
+                f"the Python attribute {name!r} of its submodule "
+                f"{self.paths.get(id(m), '?')!r} changes during the forward (a recompute "
+                f"would see the changed value)"
+            )
+        before = call.states[0][1]
+        if call.own_after is None or _changed(before, call.own_after) is not None:
+            return (
+                f"its forward changes the Python attribute {name!r} (a recompute would see "
+                f"the changed value)"
+            )
+        return (
+            f"its Python attribute {name!r} is changed by another module's forward after its "
+            f"call (a recompute would see the changed value)"
+        )

@@ -1,0 +1,288 @@
+"""Claim 1: extract the modules that run and build the multi-way module tree.
+
+A :class:`Node` holds what the method needs of one module: its name, its path from the root
+(the qualified name of ``model.named_modules()``), its children in registration order, the
+module object itself, and what flowed in and out of it on the example inputs.
+
+The tree holds the *computation* modules: those whose ``forward`` ran. A module that never ran
+itself (an ``nn.ModuleList`` or ``nn.ModuleDict`` container, or a module its parent bypassed) is
+dissolved: its children that did run take its place among its parent's children. Modules that
+did not run and have no descendant that ran are left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoremat.core.classes import own_class
+from autoremat.core.nested import iter_tensors, run_model
+from autoremat.record.side_effects import ReplayCheck
+from autoremat.record.snapshot import preserved
+
+__all__ = ["ExampleInputsError", "Node", "TensorInfo", "build_tree", "tensor_infos"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape, dtype and size of one tensor that flowed into or out of a module.
+
+    ``where`` says where the tensor sat in the nested structure, e.g. ``args[0]``,
+    ``kwargs['attention_mask']`` or ``out.logits``.
+    """
+
+    where: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: int
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}[{', '.join(map(str, self.shape))}]"
+
+
+@dataclass(eq=False)
+class Node:
+    """One module of the tree (claim 1).
+
+    ``inputs`` and ``outputs`` describe the module's first call; ``calls`` counts how many times
+    its ``forward`` ran during one forward pass of the model (more than one for shared modules).
+
+    ``replay_reason`` says why recomputing the module would not replay its forward (a Python
+    attribute of it or of a module inside it changes during the forward); a module around it
+    has one too. ``inplace_reason`` says why checkpointing the module would fail backward (an
+    input of it is changed in place after its call began); that concerns its boundary only.
+    Both are ``None`` when nothing was seen (:mod:`autoremat.record.side_effects`).
+
+    In a profile's tree of calls (:attr:`autoremat.Profile.tree`) a node is one call of a module
+    instead: ``call`` is its index among the module's ``calls`` (``None`` when the module ran once),
+    ``path`` the call's name (``path@k``, :func:`autoremat.core.entries.call_key`),
+    ``inputs``/``outputs`` that call's, and its children the calls made while it ran.
+    """
+
+    name: str
+    path: str
+    module: nn.Module = field(repr=False)
+    children: list[Node] = field(default_factory=list, repr=False)
+    inputs: tuple[TensorInfo, ...] = ()
+    outputs: tuple[TensorInfo, ...] = ()
+    calls: int = 0
+    replay_reason: str | None = None
+    inplace_reason: str | None = None
+    call: int | None = None
+
+    @property
+    def module_path(self) -> str:
+        """The path of the node's module (``path`` less a call's ``@k``)."""
+        return self.path if self.call is None else self.path.rpartition("@")[0]
+
+    @property
+    def recompute_reason(self) -> str | None:
+        """Why this module cannot be recomputed on its own (``replay_reason``, else
+        ``inplace_reason``), or ``None``."""
+        return self.replay_reason or self.inplace_reason
+
+    @property
+    def is_leaf(self) -> bool:
+        """A node without child nodes."""
+        return not self.children
+
+    @property
+    def type_name(self) -> str:
+        """The module's own class name (the class it had before autoremat wrapped it)."""
+        return own_class(self.module).__name__
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(t.bytes for t in self.inputs)
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(t.bytes for t in self.outputs)
+
+    def walk(self) -> Iterator[Node]:
+        """This node and all its descendants, depth first, in registration order."""
+        yield self
+        for child in self.children:
+            yield from child.walk()
+
+    def find(self, path: str) -> Node:
+        """The node at ``path``; raises ``KeyError`` naming the path if there is none."""
+        for node in self.walk():
+            if node.path == path:
+                return node
+        raise KeyError(f"no module {path!r} in the tree")
+
+    def render(self, marked: frozenset[str] = frozenset(), max_io: int = 2) -> str:
+        """An indented listing: one line per node with its type, calls and I/O shapes.
+
+        Paths in ``marked`` are shown with a ``*`` (used by :class:`~autoremat.Plan`).
+        """
+        lines: list[str] = []
+
+        def io(infos: tuple[TensorInfo, ...]) -> str:
+            shown = ", ".join(str(t) for t in infos[:max_io])
+            more = f", +{len(infos) - max_io}" if len(infos) > max_io else ""
+            return f"({shown}{more})"
+
+        def visit(node: Node, depth: int) -> None:
+            mark = "*" if node.path in marked else " "
+            label = node.path or "(root)"
+            calls = f" x{node.calls}" if node.calls > 1 else ""
+            lines.append(
+                f"{mark} {'  ' * depth}{label}: {node.type_name}{calls} "
+                f"{io(node.inputs)} -> {io(node.outputs)}"
+            )
+            for child in node.children:
+                visit(child, depth + 1)
+
+        visit(self, 0)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def tensor_infos(obj: Any, where: str) -> list[TensorInfo]:
+    """Every tensor found in ``obj``: nested tuples, lists, dicts, dataclasses and
+    ``ModelOutput`` objects are searched; other objects are skipped."""
+    found: list[TensorInfo] = []
+    for path, tensor in iter_tensors(obj, where):
+        found.append(
+            TensorInfo(
+                where=path,
+                shape=tuple(tensor.shape),
+                dtype=tensor.dtype,
+                bytes=tensor.numel() * tensor.element_size(),
+            )
+        )
+    return found
+
+
+class ExampleInputsError(ValueError, RuntimeError):
+    """The example inputs failed in the model's forward; the message names the module where.
+    A ``ValueError`` (a bad argument), and a ``RuntimeError`` like the error it wraps."""
+
+
+def build_tree(
+    model: nn.Module,
+    args: tuple[Any, ...] | Any = (),
+    kwargs: dict[str, Any] | None = None,
+) -> Node:
+    """Run ``model(*args, **kwargs)`` once and return the tree of the modules that ran.
+
+    This is claim 1 of the method: extraction of the computation modules and creation of the
+    multi-way tree. The forward pass runs without gradients and the model is left exactly as it
+    was found (buffers such as BatchNorm statistics, training mode, gradients, the global RNG
+    state; see :func:`autoremat.record.snapshot.preserved`; Python attributes a forward changes are
+    not put back). ``args`` may be a single tensor. The same run finds what a recompute of each
+    module could not replay (``Node.replay_reason`` and ``inplace_reason``;
+    :mod:`autoremat.record.side_effects`: about three look-ups of each module's attributes, no
+    tensor copied, each module's tensor arguments held until its caller returns). When that
+    forward changed Python state, a second one runs with a detailed look (about the number
+    of modules times the tree's depth in look-ups), and what it finds is kept (a first
+    forward may set things up once).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ExampleInputsError: (a ``ValueError``) the forward pass failed; the message names the
+            innermost module that was running when it failed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    paths = {id(m): p for p, m in model.named_modules()}
+    calls = _Calls(paths, ReplayCheck(paths, detailed=False))
+    handles = []
+    try:
+        for m in dict.fromkeys(model.modules()):
+            handles.append(m.register_forward_pre_hook(calls.pre_hook, with_kwargs=True))
+            handles.append(m.register_forward_hook(calls.post_hook, with_kwargs=True))
+        with preserved(model), torch.no_grad():
+            _run(calls, model, args, kwargs)
+            if calls.check.replay:
+                # Python state changed: perhaps only a first forward's lazy set-up (a
+                # classification head's config.problem_type). What a recompute would see in
+                # training is what a second forward changes; look at it in detail.
+                calls.recording, calls.check = False, ReplayCheck(paths, detailed=True)
+                _run(calls, model, args, kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    (root,) = calls.nodes("", model)
+    return root
+
+
+def _run(calls: _Calls, model: nn.Module, args: Any, kwargs: Any) -> None:
+    """One forward under the hooks of ``calls``, then its replay check's end; a failure is
+    an :class:`ExampleInputsError` naming the module where it arose."""
+    try:
+        run_model(model, args, kwargs)
+    except Exception as exc:
+        where = calls.running[-1] if calls.running else ""
+        raise ExampleInputsError(
+            f"the example inputs failed in the forward pass of module "
+            f"{where or '(root)'!r} ({type(exc).__name__}: {exc}); pass args/kwargs "
+            f"that model(*args, **kwargs) accepts"
+        ) from exc
+    calls.check.finish()  # before the model's state is put back
+
+
+class _Calls:
+    """The forward hooks of :func:`build_tree`: which modules ran, how often, with what I/O,
+    and what a recompute of each could not replay (``check``)."""
+
+    def __init__(self, paths: dict[int, str], check: ReplayCheck) -> None:
+        self.paths = paths
+        self.check = check
+        self.recording = True  # False: a second forward, for the check only
+        self.calls: dict[int, int] = {}
+        self.first_io: dict[int, tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]] = {}
+        self.pending: dict[int, tuple[TensorInfo, ...]] = {}
+        self.running: list[str] = []
+
+    def pre_hook(self, module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        key = id(module)
+        self.running.append(self.paths.get(key, "?"))
+        self.check.enter(module, a, kw)
+        if not self.recording:
+            return
+        self.calls[key] = self.calls.get(key, 0) + 1
+        if self.calls[key] == 1:
+            self.pending[key] = tuple(tensor_infos(a, "args") + tensor_infos(kw, "kwargs"))
+
+    def post_hook(self, module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any], out: Any):
+        key = id(module)
+        self.running.pop()
+        self.check.leave(module, out)
+        if key in self.pending:
+            self.first_io[key] = (self.pending.pop(key), tuple(tensor_infos(out, "out")))
+
+    def nodes(self, path: str, module: nn.Module) -> list[Node]:
+        """Nodes for ``module``: itself if it ran, else its children that ran (dissolved)."""
+        children: list[Node] = []
+        for name, child in module.named_children():
+            child_path = f"{path}.{name}" if path else name
+            if self.paths.get(id(child)) != child_path:
+                continue  # a shared module: it lives at its first path only
+            children.extend(self.nodes(child_path, child))
+        key = id(module)
+        if key not in self.calls and path:
+            return children
+        inputs, outputs = self.first_io.get(key, ((), ()))
+        return [
+            Node(
+                name=path.rsplit(".", 1)[-1],
+                path=path,
+                module=module,
+                children=children,
+                inputs=inputs,
+                outputs=outputs,
+                calls=self.calls.get(key, 0),
+                replay_reason=self.check.replay.get(key),
+                inplace_reason=self.check.inplace.get(key),
+            )
+        ]

@@ -1,0 +1,324 @@
+"""Fitting a device: the largest batch whose cheapest plan fits, and the fastest plan for it.
+
+:func:`fit` answers "my GPU has 24 GiB: what is the biggest batch I can train, and how do I
+get there with the least slowdown?" without running the model at each candidate size:
+
+1. a *shadow* of the model on ``meta`` (its structure, no memory, no copy of the weights) is
+   profiled at each candidate batch (inputs made by ``make_inputs(batch)`` under
+   ``torch.device("meta")``); the profile on ``meta`` predicts what the real one would
+   (``tests/test_calls.py``, ``tests/test_measure.py``);
+2. a batch *fits* when the whole step's memory (:mod:`autoremat.training.step_memory`: parameters,
+   buffers, inputs, optimizer state and step, and the step peak of the plan at the lowest budget)
+   fits the device (:mod:`autoremat.training.device_model`); the largest such batch is found by
+   doubling, then bisection (one ``meta`` profile per candidate);
+3. the plan for it is the cheapest whose predicted peak fits what the device leaves for the
+   step; with ``objective="throughput"`` a few smaller batches are planned too, and the one
+   with the most predicted samples per second is chosen (:func:`step_seconds`);
+4. once, on the device: the plan applied, real optimizer steps at that batch
+   (:func:`autoremat.measure_training`), the model put back as found.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from autoremat.core.devices import model_device
+from autoremat.core.progress import Progress
+from autoremat.core.sizes import format_size
+from autoremat.costs.profile import Profile, profile
+from autoremat.planning.plan import plan_from_profile, profile_lowest
+from autoremat.planning.plans import Plan
+from autoremat.record.step import Autocast, LossFn, StepHow, autocast_spec
+from autoremat.training.device_model import DeviceModel, device_model
+from autoremat.training.measure_training import TrainingMeasurement, measure_training
+from autoremat.training.optimizer_memory import OptimizerLike, OptimizerMemory, optimizer_memory
+from autoremat.training.step_memory import StepMemory, step_memory
+from autoremat.wrap.wrapping import remove
+
+__all__ = [
+    "FIT_OBJECTIVES",
+    "Candidate",
+    "Fit",
+    "fit",
+    "meta_shadow",
+    "step_seconds",
+]
+
+logger = logging.getLogger(__name__)
+
+# What fit maximises (``fit(objective=...)``).
+FIT_OBJECTIVES = ("batch", "throughput")
+Inputs = Callable[[int], tuple[Any, dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One batch size considered: the whole step's memory predicted with its ``plan`` (the
+    plan at the device's memory; ``None`` when it needs none), with no recompute
+    (``without``), and the predicted step seconds and samples per second with the plan."""
+
+    batch: int
+    memory: StepMemory
+    without: StepMemory
+    plan: Plan | None
+    seconds: float
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.batch / self.seconds if self.seconds > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What :func:`fit` found: the ``batch`` and its ``plan`` (empty when it needs no
+    recompute), the device, the candidates planned, the largest batch without recompute, and
+    the check on the device (``measured``; ``None`` when not verified)."""
+
+    batch: int
+    plan: Plan
+    device: DeviceModel
+    candidates: tuple[Candidate, ...]
+    largest_without_recompute: int
+    measured: TrainingMeasurement | None = None
+    objective: str = "batch"
+    chosen: Candidate | None = field(default=None, repr=False)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the measured step fitted the device (``None``: not verified): on CUDA the
+        allocator's most reserved bytes plus the runtime's, elsewhere the tensors'."""
+        if self.measured is None:
+            return None
+        return self.seen <= self.device.total
+
+    @property
+    def seen(self) -> int:
+        """What the device held at most in the measured step, as :attr:`fits` counts it."""
+        assert self.measured is not None, "not verified"
+        if self.measured.reserved is None:
+            return self.measured.tensors
+        return self.measured.reserved + self.device.runtime
+
+    def __str__(self) -> str:
+        lines = [
+            f"batch {self.batch} fits {self.device}; the largest without recompute: "
+            f"{self.largest_without_recompute} (objective {self.objective})",
+            f"plan: {len(self.plan.modules)} entries, recompute adds "
+            f"{(self.plan.recompute_flops or 0) / 1e9:.3f} GFLOP",
+        ]
+        if self.chosen is not None:
+            lines += ["predicted memory:", str(self.chosen.memory)]
+        if self.measured is not None:
+            lines.append(f"measured: {self.measured} ({'fits' if self.fits else 'DOES NOT FIT'})")
+        elif self.device.device == "meta":
+            lines.append("measured: not verified (the model is on meta, where nothing runs)")
+        else:
+            lines.append("measured: not verified (verify=False)")
+        lines.append("candidates: batch, predicted device memory, predicted samples/s")
+        lines += [
+            f"  {c.batch:>6}  {format_size(c.memory.device):>11}  {c.samples_per_second:>10.1f}"
+            for c in self.candidates
+        ]
+        return "\n".join(lines)
+
+
+def meta_shadow(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on ``meta``: the same structure
+    and attributes, no memory, no copy of the values."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        shadow = torch.empty_like(t, device="meta")
+        if isinstance(t, nn.Parameter):
+            shadow = nn.Parameter(shadow, requires_grad=t.requires_grad)
+        memo[id(t)] = shadow
+    return copy.deepcopy(model, memo)
+
+
+def step_seconds(prof: Profile, plan: Plan | None) -> float:
+    """A training step's seconds as ``prof`` prices it: the forward's ops (timed, or on
+    ``meta`` estimated from FLOPs and bytes written) and their per-op overhead, three times
+    (forward and a backward of about twice its work), plus what ``plan``'s recomputes add."""
+    root = prof[prof.tree.path]
+    forward = root.op_seconds + root.ops * prof.op_overhead
+    return 3 * forward + (0.0 if plan is None else plan.recompute_seconds or 0.0)
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """One batch size profiled on ``meta``: its inputs, profile, and the whole step's memory
+    at the lowest budget and without recompute."""
+
+    batch: int
+    inputs: tuple[Any, dict[str, Any]]
+    profile: Profile
+    lowest: StepMemory
+    without: StepMemory
+
+
+class _Prober:
+    """Profiles the model's ``meta`` shadow at batch sizes, each once."""
+
+    def __init__(self, model: nn.Module, make_inputs: Inputs, opt: OptimizerMemory,
+                 dm: DeviceModel, loss_fn: LossFn | None, selective: bool,
+                 autocast: Autocast | None = None) -> None:  # fmt: skip
+        self.model, self.shadow = model, meta_shadow(model)
+        self.make_inputs, self.opt, self.dm = make_inputs, opt, dm
+        self.loss_fn, self.selective, self.autocast = loss_fn, selective, autocast
+        self.seen: dict[int, _Probe] = {}
+        self.progress = Progress("fitting", 40, "batch sizes profiled on meta")
+
+    def probe(self, batch: int) -> _Probe:
+        if batch not in self.seen:
+            with torch.device("meta"):
+                args, kwargs = self.make_inputs(batch)
+            args, kwargs = tree_map(_on_meta, (args, kwargs))
+            prof = profile(self.shadow, args, kwargs, loss_fn=self.loss_fn, autocast=self.autocast)
+            low = profile_lowest(prof, selective=self.selective)
+            parts = (self.shadow, (args, kwargs))
+            self.seen[batch] = _Probe(
+                batch, (args, kwargs), prof,
+                step_memory(*parts, low, self.opt, self.dm),
+                step_memory(*parts, prof.peak, self.opt, self.dm),
+            )  # fmt: skip
+            self.progress.step(f"batch {batch}")
+        return self.seen[batch]
+
+    def fits(self, batch: int, recompute: bool = True) -> bool:
+        probe = self.probe(batch)
+        return (probe.lowest if recompute else probe.without).device <= self.dm.total
+
+    def largest(self, top: int, recompute: bool = True) -> int:
+        """The largest batch in ``1..top`` that fits (0: none), by doubling then bisection."""
+        if not self.fits(1, recompute):
+            return 0
+        lo, hi = 1, top + 1
+        while 2 * lo <= top:
+            if not self.fits(2 * lo, recompute):
+                hi = 2 * lo
+                break
+            lo *= 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(mid, recompute) else (lo, mid)
+        return lo
+
+    def candidate(self, batch: int) -> Candidate:
+        """``batch`` planned at what the device leaves for the step."""
+        probe = self.probe(batch)
+        room = self.dm.for_tensors() - probe.lowest.resident
+        chosen = None
+        if room < probe.profile.peak:  # (the largest batch is near its lowest budget by design)
+            chosen = plan_from_profile(self.model, probe.profile, room, selective=self.selective)
+        peak = probe.profile.peak if chosen is None else chosen.estimated_peak or 0
+        memory = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm)
+        seconds = step_seconds(probe.profile, chosen)
+        return Candidate(batch, memory, probe.without, chosen, seconds)
+
+
+def _on_meta(value: Any) -> Any:
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
+def fit(
+    model: nn.Module,
+    make_inputs: Inputs,
+    *,
+    device_memory: int | float | str,
+    optimizer: OptimizerLike = "adamw",
+    loss_fn: LossFn | None = None,
+    autocast: Autocast | torch.dtype | None = None,
+    objective: str = "batch",
+    max_batch: int = 2**16,
+    selective: bool = True,
+    verify: bool = True,
+) -> Fit:
+    """The largest batch of ``model`` whose training step fits ``device_memory``, and the
+    cheapest plan for it (module docstring).
+
+    ``make_inputs(batch)`` returns ``(args, kwargs)`` for that batch size (for instance
+    ``lambda b: autoremat.scale_batch(args, kwargs, b)``); it is called under
+    ``torch.device("meta")`` for sizing, and once as it is for the check. ``device_memory``:
+    bytes, a size (``"24GiB"``) or a fraction (``"90%"``) of the model's device
+    (:mod:`autoremat.training.device_model`). ``optimizer``: a name (``"sgd"``, ``"adam"``,
+    ``"adamw"``), an optimizer to copy, a function from parameters to one, or ``None``.
+    ``autocast`` (``torch.bfloat16``: the model's device's autocast, ``cuda`` for a model on
+    ``meta``; or ``(device_type, dtype)``): the step's forward and loss run under
+    ``torch.autocast``; sized on ``meta`` with autocast's casts made there
+    (:mod:`autoremat.record.autocast_meta`).
+    ``objective``: ``"batch"`` (the largest batch) or ``"throughput"`` (of the largest batch
+    and a few smaller ones, the most predicted samples per second). With ``verify``, the plan
+    is applied, real steps run at that batch on the model's device (not for a model on
+    ``meta``), and the model is put back as found. Logs and shows progress; the model must
+    not be wrapped.
+
+    Raises:
+        ValueError: even a batch of 1 does not fit (the message gives the memory it needs),
+            an unknown objective or optimizer, a malformed ``device_memory``.
+    """
+    if objective not in FIT_OBJECTIVES:
+        raise ValueError(f"objective must be one of {FIT_OBJECTIVES}, got {objective!r}")
+    device = model_device(model)
+    dm = device_model(device_memory, device)
+    spec = autocast_spec(autocast, model)
+    opt = optimizer_memory(model, optimizer)
+    prober = _Prober(model, make_inputs, opt, dm, loss_fn, selective, spec)
+    top = prober.largest(max_batch)
+    if top == 0:
+        raise _none_fits(prober.probe(1).lowest, dm)
+    without = prober.largest(top, recompute=False)
+    candidates = [prober.candidate(b) for b in _ladder(without, top, objective)]
+    best = max(candidates, key=lambda c: (c.samples_per_second, c.batch))
+    chosen = best if objective == "throughput" else candidates[-1]
+    plan = chosen.plan or plan_from_profile(model, prober.probe(chosen.batch).profile, 1.0)
+    if "left_out" in plan.warnings:
+        logger.warning("%s", plan.warnings["left_out"])
+    how: StepHow = (loss_fn, spec)
+    verify = verify and device.type != "meta"  # nothing runs on meta
+    measured = _verify(model, make_inputs, chosen.batch, plan, optimizer, how) if verify else None
+    found = Fit(chosen.batch, plan, dm, tuple(candidates), without, measured, objective, chosen)
+    if found.fits is False:
+        logger.warning("batch %d was predicted to fit but measured %s", chosen.batch, measured)
+    return found
+
+
+def _none_fits(need: StepMemory, dm: DeviceModel) -> ValueError:
+    return ValueError(
+        f"even a batch of 1 does not fit {dm}: its training step needs "
+        f"{format_size(need.device)} with the most recompute:\n{need}\nUse a device with "
+        f"more memory, a lower precision, or an optimizer with less state"
+    )
+
+
+def _ladder(without: int, top: int, objective: str) -> list[int]:
+    """The batches planned: the largest, and for ``"throughput"`` up to three smaller ones
+    between the largest without recompute and it (geometric steps), ascending."""
+    if objective == "batch" or without >= top:
+        return sorted({max(without, 1), top} - {0})
+    steps = [round(without * (top / max(without, 1)) ** (k / 3)) for k in range(4)]
+    return sorted({b for b in [*steps, top] if 1 <= b <= top})
+
+
+def _verify(model: nn.Module, make_inputs: Inputs, batch: int, plan: Plan,
+            optimizer: OptimizerLike, how: StepHow) -> TrainingMeasurement:  # fmt: skip
+    """Real training steps at ``batch`` with ``plan`` applied; the model is put back."""
+    device = model_device(model)
+    args, kwargs = tree_map(
+        lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, make_inputs(batch)
+    )
+    plan.apply(model)
+    try:
+        loss_fn, autocast = how
+        return measure_training(
+            model, args, kwargs, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast
+        )
+    finally:
+        remove(model)

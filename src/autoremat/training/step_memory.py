@@ -1,0 +1,100 @@
+"""The whole training step's memory: what a device must hold, not only the activations.
+
+A budget plan's peak counts what the step creates (activations, gradients, temporaries) above
+what was live before it. A device must also hold what was: the parameters, buffers and inputs,
+and the optimizer's state; and the optimizer's step needs room of its own. With gradients
+freed before each forward (``zero_grad(set_to_none=True)``, the default), the most live at once
+in a steady training step is::
+
+    parameters + buffers + optimizer state + inputs
+        + max(step peak (activations, gradients included), gradients + optimizer step)
+
+:class:`StepMemory` holds these parts and, for a device, what its runtime and allocator add
+(:mod:`autoremat.training.device_model`); :func:`step_memory` adds them up from a model, its inputs,
+the step peak (a plan's prediction or a profile's) and the optimizer's memory
+(:mod:`autoremat.training.optimizer_memory`). :func:`autoremat.measure_training` measures the same
+around real optimizer steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from autoremat.core.nested import tensor_bytes
+from autoremat.core.sizes import format_size
+from autoremat.training.device_model import DeviceModel
+from autoremat.training.optimizer_memory import OptimizerMemory
+
+__all__ = ["StepMemory", "step_memory"]
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """The parts of a training step's memory, in bytes (module docstring). ``tensors`` is the
+    most tensors hold at once; ``device`` what the device shows (runtime and allocator
+    included, :class:`~autoremat.training.device_model.DeviceModel`; ``tensors`` without one)."""
+
+    parameters: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    optimizer_step: int
+    inputs: int
+    step_peak: int
+    device_model: DeviceModel | None = None
+
+    @property
+    def resident(self) -> int:
+        """What is live before the step begins: parameters, buffers, state, inputs."""
+        return self.parameters + self.buffers + self.optimizer_state + self.inputs
+
+    @property
+    def tensors(self) -> int:
+        return self.resident + max(self.step_peak, self.gradients + self.optimizer_step)
+
+    @property
+    def device(self) -> int:
+        dm = self.device_model
+        return self.tensors if dm is None else dm.device_bytes(self.tensors)
+
+    def __str__(self) -> str:
+        rows = [
+            ("parameters", self.parameters),
+            ("buffers", self.buffers),
+            ("optimizer state", self.optimizer_state),
+            ("inputs", self.inputs),
+            ("step peak (activations, gradients)", self.step_peak),
+            ("gradients + optimizer step", self.gradients + self.optimizer_step),
+            ("tensors at most", self.tensors),
+        ]
+        if self.device_model is not None and self.device != self.tensors:
+            rows.append(("device (runtime, allocator)", self.device))
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"  {name:{width}}  {format_size(b):>11}" for name, b in rows)
+
+
+def step_memory(
+    model: nn.Module,
+    inputs: Any,
+    step_peak: int,
+    optimizer: OptimizerMemory,
+    device_model: DeviceModel | None = None,
+) -> StepMemory:
+    """The :class:`StepMemory` of training ``model`` on ``inputs`` (its args and kwargs) with
+    an optimizer of that memory, when the step (forward, loss, backward) peaks at
+    ``step_peak`` bytes above what was live before it."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    return StepMemory(
+        parameters=tensor_bytes(params),
+        buffers=tensor_bytes(list(model.buffers())),
+        gradients=sum(p.numel() * p.element_size() for p in {id(p): p for p in trainable}.values()),
+        optimizer_state=optimizer.state,
+        optimizer_step=optimizer.step,
+        inputs=tensor_bytes(inputs),
+        step_peak=step_peak,
+        device_model=device_model,
+    )
