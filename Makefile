@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import autoremat, torch, transformers, mypy"
 	touch $(STAMP)
 
-.PHONY: setup demo test lint typecheck bench
+.PHONY: setup demo test test-fast lint typecheck bench
 setup: $(STAMP)
 
 demo: $(STAMP)
@@ -26,6 +26,10 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(BIN)/python -m pytest
+
+# The quick loop while working: lint, types and the tests not marked slow (about a minute).
+test-fast: lint typecheck
+	$(BIN)/python -m pytest -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py

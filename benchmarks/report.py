@@ -60,7 +60,7 @@ def from_csv(path: str | Path) -> list[Row]:
                 kind = str(fields[name].type)
                 if name in ("model", "strategy", "note"):
                     values[name] = text
-                elif name in ("grads_match", "compiled"):
+                elif name in ("grads_match", "compiled", "identical"):
                     values[name] = text == "True"
                 elif text == "":
                     values[name] = None

@@ -330,7 +330,7 @@ def _entries(r: Result) -> str:
 
 
 COLUMNS = (
-    "model | strategy | peak MiB | peak x | saved MiB | saved x | FLOPs x | time x | "
+    "model | strategy | peak MiB | peak x | held MiB | held x | FLOPs x | time x | "
     "predicted time x | predicted x | est. error | within | entries | grads | note"
 )
 

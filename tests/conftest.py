@@ -76,13 +76,22 @@ def recomputed_step(model: nn.Module, step: Any, entries: Any = None) -> Any:
     return result
 
 
+def _step_of(model: nn.Module, args: tuple, kwargs: dict, entries: Any) -> torch.Tensor:
+    """:func:`train_step`; for a wrapped model (or given ``entries``), proving that they were
+    recomputed in it (:func:`recomputed_step`)."""
+    if entries is None and not wrapped_paths(model):
+        return train_step(model, args, kwargs)  # a plain model: nothing to recompute
+    return recomputed_step(model, lambda: train_step(model, args, kwargs), entries)
+
+
 def assert_same_step(
     reference: nn.Module, wrapped: nn.Module, args: tuple, kwargs: dict, entries: Any = None
 ) -> None:
     """One step of each gives the same loss, gradients and buffers (tight tolerances), and the
-    wrapped model's entries (``entries``, else all) were recomputed in its step."""
+    second model's entries (``entries``, else every entry wrapped; none for a plain model)
+    were recomputed in its step."""
     loss_ref = train_step(reference, args, kwargs)
-    loss_new = recomputed_step(wrapped, lambda: train_step(wrapped, args, kwargs), entries)
+    loss_new = _step_of(wrapped, args, kwargs, entries)
     torch.testing.assert_close(loss_new, loss_ref, rtol=1e-6, atol=1e-7)
     grads = 0
     for (name, p), (name2, q) in zip(

@@ -277,6 +277,7 @@ def assert_valid(case: Case, chosen: list[Item]) -> None:
 budget_st = st.integers(0, MAX_BYTES + 10)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(), budget=budget_st)
 def test_solver_is_valid_feasible_and_optimal(case: Case, budget: int) -> None:
@@ -295,6 +296,7 @@ def test_solver_is_valid_feasible_and_optimal(case: Case, budget: int) -> None:
     assert cost(chosen) == pytest.approx(best, rel=1e-9, abs=1e-9)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(), low=budget_st, high=budget_st)
 def test_larger_budget_never_costs_more(case: Case, low: int, high: int) -> None:
@@ -308,6 +310,7 @@ def test_larger_budget_never_costs_more(case: Case, low: int, high: int) -> None
     assert cost(roomy) <= cost(cheap) + 1e-9
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(), below=st.integers(1, 50))
 def test_min_peak_is_the_lowest_feasible_budget(case: Case, below: int) -> None:
@@ -324,6 +327,7 @@ def test_min_peak_is_the_lowest_feasible_budget(case: Case, below: int) -> None:
             solve(case.root, case.points, budget, case.forward)
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_predicted_peak_without_recompute_is_the_profiled_peak(case: Case) -> None:
@@ -332,6 +336,7 @@ def test_predicted_peak_without_recompute_is_the_profiled_peak(case: Case) -> No
     assert solve(case.root, case.points, case.peak, case.forward) == []
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(), budget=budget_st, states=st.integers(1, 3))
 def test_a_thinned_frontier_never_loses_feasibility(case: Case, budget: int, states: int) -> None:
@@ -353,6 +358,7 @@ def test_a_thinned_frontier_never_loses_feasibility(case: Case, budget: int, sta
     assert cost(chosen) >= best - 1e-9  # type: ignore[operator]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(recast=True), budget=budget_st)
 def test_with_recasts_the_answer_fits_and_no_fit_is_missed_that_counting_every_recast_finds(
@@ -627,6 +633,7 @@ def test_parse_budget_errors_list_the_accepted_forms(budget: object, error: type
 SIZE_LIKE = r"\s*-?[0-9]{0,4}(\.[0-9]{0,3})?\s*([kKmMgGtT]i?[bB]|[bB]|%)?\s*"
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     budget=st.one_of(
@@ -748,6 +755,7 @@ def budget_plan(name: str, budget: int | float | str) -> autoremat.Plan:
         assert_state_equal(before, model_state(model))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.75, 0.5, 0.25])
 @pytest.mark.parametrize("name", ["gpt2", "cnn", "mlp", "hf-bert"])
 def test_budget_plan_meets_its_budget_when_applied(name: str, fraction: float) -> None:
@@ -850,6 +858,7 @@ def test_planning_leaves_the_model_unchanged() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_budget_plan_matches_levels_peak_with_no_more_flops() -> None:
     """On TinyGPT, for each levels plan (segments 1..8) the budget planner given that plan's
     measured peak reaches it with no more FLOPs."""
@@ -888,6 +897,7 @@ class SharedDropoutLayer(nn.Module):
         return x + self.dropout(self.mlp(self.norm(x)))
 
 
+@pytest.mark.slow
 def test_each_call_of_a_module_called_twice_is_a_candidate():
     """The shared dropout's two calls are two nodes, each placed where it ran (between its
     siblings) and a candidate, as are its siblings: the plan picks measures within its budget
@@ -903,11 +913,22 @@ def test_each_call_of_a_module_called_twice_is_a_candidate():
         ["0.attn", "0.dropout@0", "0.norm", "0.mlp", "0.dropout@1"], key=lambda p: items[p].end
     )
     assert order == ["0.attn", "0.dropout@0", "0.norm", "0.mlp", "0.dropout@1"]
-    plan = autoremat.plan(model, args, budget=0.75)
+    plan = autoremat.plan(model, args, budget=0.75, objective="flops")
     wrapped = plan.apply(copy.deepcopy(model))
     assert autoremat.measure(wrapped, args).peak <= plan.budget
     assert any("mlp" in p for p in plan.modules), plan.modules
     assert_same_step(copy.deepcopy(model), wrapped, args, {})
+
+
+@pytest.mark.slow
+def test_the_lowest_budget_is_never_above_the_peak_without_recompute():
+    """On a model so small that the planner's headroom (1 KiB) exceeds what recompute frees,
+    the lowest budget is the peak itself (the empty plan meets it), not more."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+    args = (torch.randn(2, 4),)
+    peak = autoremat.measure(model, args).peak
+    assert autoremat.lowest_budget(model, args) <= peak
+    assert autoremat.plan(model, args, budget=autoremat.lowest_budget(model, args)).modules == ()
 
 
 def test_lowest_budget_is_the_one_the_infeasible_error_states_and_it_plans():

@@ -97,6 +97,7 @@ class Unrolled(nn.Module):
         return {"logits": logits, "loss": loss}
 
 
+@pytest.mark.slow
 def test_a_call_costs_what_the_same_block_costs_unrolled() -> None:
     """Per call, the cost model gives the figures of the unrolled model's separate blocks
     (saved, freed, FLOPs, held, span), and the forward's points are the same (backward, and
@@ -117,10 +118,11 @@ def test_a_call_costs_what_the_same_block_costs_unrolled() -> None:
 # --- plans on the zoo -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", REPEATED)
 def test_a_half_budget_is_held_predicted_and_trains_exactly(name: str) -> None:
     model, args, kwargs = _example(name)
-    plan = autoremat.plan(model, args, kwargs, budget=0.5)
+    plan = autoremat.plan(model, args, kwargs, budget=0.5, objective="flops")
     assert any(parse_call(e) for e in plan.modules) or SHARED[name] in map(module_of, plan.modules)
     wrapped = plan.apply(copy.deepcopy(model))
     _assert_predicted(plan, autoremat.measure(wrapped, args, kwargs).peak)
@@ -139,6 +141,7 @@ def _hand_per_call(model: nn.Module, args: tuple, kwargs: dict, shared: str) -> 
     return min(peaks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", REPEATED)
 def test_the_lowest_reachable_peak_is_within_10_percent_of_hand_per_call(name: str) -> None:
     """The issue's target; and the lowest budget the planner states is one it meets."""
@@ -154,6 +157,7 @@ def test_the_lowest_reachable_peak_is_within_10_percent_of_hand_per_call(name: s
     assert info.value.lowest == lowest
 
 
+@pytest.mark.slow
 def test_every_call_chosen_alike_is_one_entry_and_the_table_groups_calls() -> None:
     model, args, kwargs = _example("looped")
     prof = autoremat.profile(model, args, kwargs)
@@ -162,7 +166,7 @@ def test_every_call_chosen_alike_is_one_entry_and_the_table_groups_calls() -> No
     (merged,) = choices_for(prof, every)
     assert merged.path == "block" and merged.freed == sum(i.freed for i in every)
     assert [c.path for c in choices_for(prof, every[:7])] == [f"block@{k}" for k in range(7)]
-    low = autoremat.plan(model, args, kwargs, budget=0.3, selective=False)
+    low = autoremat.plan(model, args, kwargs, budget=0.3, selective=False, objective="flops")
     for entry in low.modules:  # a module has call entries or its path, never both
         call = parse_call(entry)
         if call is not None:
@@ -185,6 +189,7 @@ def test_every_call_chosen_alike_is_one_entry_and_the_table_groups_calls() -> No
 # --- the wrap -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_only_the_chosen_calls_are_recomputed() -> None:
     """Recomputing calls 0..6 of the cell frees about 7/64 of what recomputing all 64 frees."""
     model, args, kwargs = _example("lstm-cell")
@@ -255,9 +260,10 @@ def _lstm_step(model: nn.Module, steps: int) -> torch.Tensor:
     return train_step(model, (x,), {"targets": torch.randint(0, 10, (32,))})
 
 
+@pytest.mark.slow
 def test_more_calls_than_profiled_warn_once_and_train_exactly() -> None:
     model, args, kwargs = _example("lstm-cell")
-    plan = autoremat.plan(model, args, kwargs, budget=0.6)
+    plan = autoremat.plan(model, args, kwargs, budget=0.6, objective="flops")
     assert plan.calls == {"cell": 64}, plan.modules
     wrapped = plan.apply(copy.deepcopy(model))
     reference = copy.deepcopy(model)
@@ -342,6 +348,7 @@ def test_calls_restart_when_backward_ends_a_step_whatever_the_entry_point() -> N
     assert wrapped.inner.block.__dict__["_autoremat_calls"].count == 0
 
 
+@pytest.mark.slow
 def test_a_module_named_without_a_call_index_recomputes_any_number_of_calls() -> None:
     model, _, _ = _example("lstm-cell")
     wrapped = apply(copy.deepcopy(model), ["cell"])
@@ -353,6 +360,7 @@ def test_a_module_named_without_a_call_index_recomputes_any_number_of_calls() ->
             )
 
 
+@pytest.mark.slow
 def test_calls_restart_at_every_forward_of_the_model() -> None:
     """Call k is the k-th call of each forward: an evaluation forward in between, without
     gradients, does not shift the next step's calls."""
@@ -372,7 +380,7 @@ def test_calls_restart_at_every_forward_of_the_model() -> None:
 
 def test_a_call_plan_saves_loads_and_applies(tmp_path: Any) -> None:
     model, args, kwargs = _example("looped")
-    plan = autoremat.plan(model, args, kwargs, budget=0.5)
+    plan = autoremat.plan(model, args, kwargs, budget=0.5, objective="flops")
     assert plan.calls
     path = tmp_path / "plan.json"
     plan.save(path)
@@ -437,6 +445,7 @@ def test_an_apply_that_fails_half_way_leaves_no_hook(monkeypatch: pytest.MonkeyP
 # --- levels, compile ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segments", [1, 3])
 def test_levels_split_points_recompute_every_call(segments: int) -> None:
     """The levels strategy works on the module tree (the claims): a split point that runs
@@ -454,6 +463,7 @@ def test_levels_split_points_recompute_every_call(segments: int) -> None:
     assert_same_step(copy.deepcopy(model), wrapped, args, kwargs)
 
 
+@pytest.mark.slow
 def test_a_call_plan_compiles_to_one_graph_with_exact_gradients() -> None:
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -532,6 +542,7 @@ def test_a_call_entry_without_its_modules_call_count_is_refused() -> None:
         autoremat.Plan.from_dict(data)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entries", [["block"], ["block@0", "block@3"], ["block.mlp@2"]])
 def test_selective_calls_under_autocast_train_exactly(entries: list[str]) -> None:
     """Under autocast a weight is cast once per forward (autocast caches the cast) but again
@@ -555,6 +566,7 @@ def test_selective_calls_under_autocast_train_exactly(entries: list[str]) -> Non
 BF16 = ("cpu", torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_under_autocast_a_later_call_is_priced_with_the_weights_its_recompute_casts_again() -> None:
     """Autocast casts a shared block's weights in its first call and hands the copies to the
     later calls (its cast cache); a recompute of a later call, in an autocast region of its
@@ -578,6 +590,7 @@ def test_under_autocast_a_later_call_is_priced_with_the_weights_its_recompute_ca
     assert all(not c.recast.groups for c in plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "chosen"),
     [
@@ -604,6 +617,7 @@ def test_under_autocast_plans_recomputing_later_calls_are_predicted(
     assert measured.peak - HEADROOM <= predicted <= measured.peak * 1.0001, (predicted, measured)
 
 
+@pytest.mark.slow
 def test_under_autocast_a_budget_plan_for_a_shared_module_holds_it() -> None:
     """Planned under autocast at budgets where the plan recomputes later calls of the shared
     block (priced by FLOPs: the same plan on any machine), the plan holds its budget, and its

@@ -7,10 +7,12 @@ import re
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from autoremat.cli.arguments import parse_budget_arg
+from autoremat.cli.arguments import loss_from_output, parse_budget_arg
 from autoremat.cli.commands import main
 from autoremat.cli.targets import CliError
 
@@ -43,7 +45,10 @@ def test_tree_prints_paths_and_shapes(capsys):
 def test_plan_marks_the_chosen_modules(capsys):
     assert main(["plan", "gpt2", "--segments", "3"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("Plan for TinyGPT (levels, segments=3): recompute 4 modules\n  h.0\n")
+    assert out.startswith(
+        "Plan for TinyGPT (levels, segments=3: the first level with more than 3 split points): "
+        "recompute 4 modules\n  h.0\n"
+    )
     assert "\n*   h.3: Block" in out
 
 
@@ -91,6 +96,7 @@ def test_bad_segments_is_one_line(capsys):
     )
 
 
+@pytest.mark.slow
 def test_python_dash_m_runs_the_cli():
     done = subprocess.run(
         [sys.executable, "-m", "autoremat", "examples"], capture_output=True, text=True, check=True
@@ -105,6 +111,76 @@ def test_plan_objective_flag(capsys):
     assert "minimised flops" in out and "selective" in out
     assert main(["plan", "gpt2", "--segments", "2", "--objective", "flops"]) == 2
     assert "--objective applies to budget plans" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["plan", "gpt2", "--budget", "-5%"], "budget -5% is not understood"),
+        (["plan", "gpt2", "--segments", "3", "--budget", "50%"], "not allowed with argument"),
+        (["plan", "gpt2", "--budget"], "expected one argument"),
+        (["plan", "gpt2", "--nope"], "unrecognized arguments: --nope"),
+        (["nope"], "invalid choice: 'nope'"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
+def test_argument_mistakes_are_one_line_with_status_2(argv, words, capsys):
+    """Argparse's own mistakes too: one line, no usage block."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoremat: error: ") and err.count("\n") == 1, err
+    assert words in err and "usage:" not in err
+
+
+LOSS_IN_A_TUPLE = """
+import torch
+from torch import nn
+
+class WithLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)))
+
+    def forward(self, x):
+        logits = self.body(x)
+        return logits, logits.pow(2).mean()
+
+def build():
+    g = torch.Generator().manual_seed(0)
+    return WithLoss(), (torch.randn(64, 64, generator=g),), {}
+"""
+
+
+def test_loss_names_the_part_of_the_output_that_is_the_loss(tmp_path, capsys):
+    """``--loss`` picks the loss out of the output: a position, a key, an attribute; what is
+    missing is named. A model returning (logits, loss) plans with ``--loss 1``."""
+    logits, loss = torch.ones(2, 3), torch.tensor(1.5)
+    assert loss_from_output(None) is None  # the default: autoremat.default_loss
+    assert loss_from_output("1")((logits, loss)) is loss
+    assert loss_from_output("loss")({"logits": logits, "loss": loss}) is loss
+    assert loss_from_output("loss")(SimpleNamespace(loss=loss)) is loss
+    with pytest.raises(CliError, match="has 2 parts; give a position below 2"):
+        loss_from_output("2")((logits, loss))
+    with pytest.raises(CliError, match="has no 'loss'; its keys are logits"):
+        loss_from_output("loss")({"logits": logits})
+    file = tmp_path / "withloss.py"
+    file.write_text(LOSS_IN_A_TUPLE)
+    target = f"{file}:build"
+    assert main(["plan", target, "--budget", "0.8", "--objective", "flops", "--loss", "1"]) == 0
+    assert capsys.readouterr().out.startswith("Plan for WithLoss (budget ")
+    assert main(["plan", target, "--budget", "0.8", "--loss", "logits"]) == 2
+    assert "has no 'logits'" in capsys.readouterr().err
+
+
+def test_the_levels_count_says_what_it_means(capsys):
+    """``segments=K`` is no number of segments: 1 and 3 give the same four blocks on this
+    transformer, and the plan says why (the first level with more than K split points)."""
+    assert main(["plan", "gpt2", "--segments", "1"]) == 0
+    one = capsys.readouterr().out
+    assert main(["plan", "gpt2", "--segments", "3"]) == 0
+    three = capsys.readouterr().out
+    assert "recompute 4 modules" in one and "recompute 4 modules" in three
+    assert "the first level with more than 1 split points" in one
 
 
 # --budget as the command line takes it ------------------------------------------------------
@@ -243,6 +319,7 @@ def test_demo_uses_the_lowest_budget_when_asked_for_less(tiny, capsys):
     assert "loss, gradients and buffers identical" in out
 
 
+@pytest.mark.slow
 def test_demo_cnn_default_budget_is_met(capsys):
     """The built-in cnn cannot reach 50%: the demo says so and uses what it can reach."""
     assert main(["demo", "cnn", "--rounds", "0"]) == 0

@@ -101,6 +101,7 @@ def _regions(counter: Any) -> int:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(PLANS))
 def test_every_plan_kind_compiles_to_one_graph_with_exact_gradients(kind: str) -> None:
     torch.manual_seed(0)
@@ -121,6 +122,7 @@ def test_every_plan_kind_compiles_to_one_graph_with_exact_gradients(kind: str) -
     _assert_equal(_step(model, (x,), {}), _step(reference, (x,), {}))  # eager too
 
 
+@pytest.mark.slow
 def test_the_planners_selective_budget_plan_compiles() -> None:
     """The issue's case: a budget plan with selective entries (the default ``selective=True``),
     made by :func:`autoremat.plan`, compiles with ``fullgraph=True`` on the GPT-shaped model."""
@@ -139,6 +141,7 @@ def test_the_planners_selective_budget_plan_compiles() -> None:
     _assert_equal(step, _step(torch.compile(reference, backend="aot_eager"), (idx, idx), {}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["whole", "mixed"])
 def test_plan_kinds_compile_under_inductor_with_exact_gradients(kind: str) -> None:
     """Inductor itself, on whole modules and on a plan mixing a run with selective entries
@@ -161,6 +164,7 @@ def test_plan_kinds_compile_under_inductor_with_exact_gradients(kind: str) -> No
     _assert_equal(step, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_hugging_face_budget_plan_compiles() -> None:
     """Hugging Face Llama (attention dropout on) with a selective 50% plan: compiles (graph
     breaks allowed: transformers decides that) and trains exactly as compiled unwrapped."""
@@ -174,6 +178,7 @@ def test_a_hugging_face_budget_plan_compiles() -> None:
     _assert_equal(step, _step(torch.compile(reference, backend="aot_eager"), (), kwargs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("selective", [False, True])
 def test_batchnorm_statistics_move_once_under_compile(selective: bool) -> None:
     """BatchNorm in recomputed entries (a whole stage, a run of conv-BN-ReLU pairs), compiled:
@@ -220,6 +225,7 @@ def _counting_calls() -> tuple[Any, list[int]]:
     return backend, calls
 
 
+@pytest.mark.slow
 def test_measure_and_plan_leave_a_compiled_model_compiled() -> None:
     """Dynamo skips, for good, code it meets while a dispatch mode is active (pytorch#190286):
     ``measure`` (FlopCounterMode) and ``plan`` (the profiler's modes) must run a compiled model
@@ -253,6 +259,7 @@ def test_the_cpu_allocator_tracker_agrees_with_the_storage_tracker_on_an_eager_s
     assert 0 < allocator.saved < allocator.peak
 
 
+@pytest.mark.slow
 def test_a_compiled_model_is_measured_by_the_cpu_allocator() -> None:
     """``measure`` of a compiled model replays the CPU allocator's events (a dispatch mode
     would measure an eager run): two runs agree, and under ``aot_eager`` (eager kernels; the
@@ -277,6 +284,7 @@ def test_a_compiled_model_is_measured_by_the_cpu_allocator() -> None:
 # --- a budget that holds under compile ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plan_for_compile_measures_the_compiled_step_within_the_budget() -> None:
     """End to end with ``aot_eager``: the plan's compiled peak is measured, within the budget,
     and the model is left unwrapped and as it was."""
@@ -293,6 +301,7 @@ def test_plan_for_compile_measures_the_compiled_step_within_the_budget() -> None
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_plan_for_compile_plans_again_below_the_overshoot(monkeypatch: pytest.MonkeyPatch):
     """When the compiled step peaks over the budget, the model is planned again for the
     budget minus the overshoot (doubled at each later try), until it fits; the plan keeps the
@@ -324,6 +333,7 @@ def test_plan_for_compile_plans_again_below_the_overshoot(monkeypatch: pytest.Mo
         compile_plan.plan_for_compile(model, (x,), budget="75%", objective="flops")
 
 
+@pytest.mark.slow
 def test_in_place_relu_inside_selective_entries_under_compile() -> None:
     """conv -> BatchNorm -> ReLU(inplace=True) blocks recomputed selectively, compiled: torch
     warns about in-place ops in a ``context_fn`` region; loss, gradients and statistics still

@@ -253,7 +253,7 @@ def test_profile_on_cuda_gives_the_cpu_bytes_and_flops(name):
     (a bool mask) may save other bytes."""
     cpu = autoremat.profile(*example(name, "cpu"))
     cuda = autoremat.profile(*example(name))
-    assert cuda.device == "real"
+    assert cuda.device == "cuda"
     assert [c.path for c in cuda] == [c.path for c in cpu]
     differ = []
     for c in cpu:

@@ -264,6 +264,7 @@ def assert_grads(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tens
         torch.testing.assert_close(g, reference[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
 def test_broadcast_plan_gives_every_rank_rank0s_plan(ranks):
     """Every rank gets the budget plan rank 0 made on its own batch (not empty)."""
     plans = [json.loads(r["plan"]) for r in ranks]

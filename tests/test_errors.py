@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import autoremat
+from autoremat.planning.plan import plan_from_profile
 from autoremat.planning.plans import Plan
 from autoremat.wrap.checkpointed import wrapped_paths
 
@@ -200,6 +201,29 @@ def test_budget_near_the_lowest_peak_is_logged(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.WARNING, logger="autoremat"):
         autoremat.plan(model, (x(),), budget="95%")
     assert not any("recomputes about all it can" in r.getMessage() for r in caplog.records)
+
+
+def test_the_planner_returns_its_warnings_and_plan_logs_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What a strategy has to say is on the plan (``Plan.warnings``, by kind), ``plan()`` logs
+    it on its module's logger (under ``autoremat``), and ``plan_from_profile`` (what ``fit``
+    uses) logs nothing: no caller filters records by their text."""
+    model = nn.Sequential(Counting(), nn.Linear(16, 4))
+    inputs = (torch.randn(64, 16),)
+    prof = autoremat.profile(model, inputs)
+    lowest = autoremat.lowest_budget(model, inputs)
+    with caplog.at_level(logging.WARNING, logger="autoremat"):
+        quiet = plan_from_profile(model, prof, lowest)
+    assert caplog.records == []
+    assert set(quiet.warnings) == {"left_out", "near_lowest"}
+    assert "'0.mlp'" in quiet.warnings["left_out"]
+    assert "recomputes about all it can" in quiet.warnings["near_lowest"]
+    with caplog.at_level(logging.WARNING, logger="autoremat"):
+        logged = autoremat.plan(model, inputs, budget=lowest)
+    assert sorted(r.getMessage() for r in caplog.records) == sorted(logged.warnings.values())
+    assert {r.name for r in caplog.records} == {"autoremat.planning.plan"}
+    assert autoremat.plan(model, inputs, budget="100%").warnings.keys() == {"left_out"}
 
 
 def test_the_library_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import CheckpointError
 
 import autoremat
 from autoremat.examples import TinyGPT
+from autoremat.wrap.replay import recomputing
 from autoremat.wrap.wrapping import apply
 from conftest import loss_of, recomputed_step, train_step
 
@@ -227,15 +228,20 @@ def test_a_second_backward_through_a_recomputed_module(selective: bool) -> None:
 
 def test_hooks_can_tell_a_recompute_from_the_forward() -> None:
     """A forward hook inside a recomputed module runs again in the recompute;
-    :func:`autoremat.is_recomputing` says which run it is in."""
+    :func:`autoremat.is_recomputing` says which run it is in, and
+    :func:`autoremat.wrap.replay.recomputing` which entry is recomputed."""
     torch.manual_seed(0)
     model = model_with(nn.Tanh())
-    seen: list[bool] = []
-    model[0][1].register_forward_hook(lambda m, i, o: seen.append(autoremat.is_recomputing()))
+    seen: list[tuple[bool, str | None]] = []
+
+    def hook(*_: Any) -> None:
+        seen.append((autoremat.is_recomputing(), recomputing()))
+
+    model[0][1].register_forward_hook(hook)
     apply(model, ["0"])
     train_step(model, (torch.randn(4, 8),), {})
-    assert seen == [False, True]
-    assert not autoremat.is_recomputing()
+    assert seen == [(False, None), (True, "0")]  # the forward, then the recompute of entry "0"
+    assert not autoremat.is_recomputing() and recomputing() is None
 
 
 # --- more of the same families, planned as a user would ------------------------------------

@@ -30,6 +30,7 @@ import autoremat
 from autoremat import wrap
 from autoremat.core import huggingface
 from autoremat.record.snapshot import RestoreError, all_or_nothing, preserved
+from autoremat.wrap.checkpointed import Checkpointed
 from conftest import assert_same_step
 
 
@@ -528,7 +529,7 @@ def test_hugging_face_classes_with_init_subclass_still_wrap() -> None:
     reference = copy.deepcopy(model)
     config_class = type(model).config_class
     wrap.apply(model, ["transformer.h.0", "transformer.h.1"])
-    assert type(model.transformer.h[0]).forward is wrap.Checkpointed.forward
+    assert type(model.transformer.h[0]).forward is Checkpointed.forward
     assert_same_step(reference, model, args, kwargs)
     autoremat.remove(model)
     wrap.apply(model, [""])

@@ -20,6 +20,7 @@ from autoremat.training.scale_batch import batch_size_of
 CASES = [("gpt2", "adamw"), ("cnn", "sgd"), ("mlp", None), ("looped", "adam"), ("hf-bert", "adamw")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "optimizer"), CASES)
 def test_the_whole_step_is_predicted_within_5_percent_of_real_optimizer_steps(
     name: str, optimizer: str | None
@@ -81,6 +82,7 @@ def test_measure_training_puts_the_model_back() -> None:
     assert all(p.grad is grads[n] for n, p in model.named_parameters())
 
 
+@pytest.mark.slow
 def test_a_prediction_on_meta_is_the_prediction_on_real_tensors() -> None:
     model, args, kwargs = EXAMPLES["gpt2"]()
     real = autoremat.predict_training(model, args, kwargs, optimizer="adamw")
@@ -95,6 +97,7 @@ def test_a_prediction_on_meta_is_the_prediction_on_real_tensors() -> None:
 # --- the largest batch ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "looped"])
 def test_the_batch_found_on_meta_fits_when_run_and_the_next_size_up_does_not(name: str) -> None:
     model, args, kwargs = EXAMPLES[name]()
@@ -115,6 +118,7 @@ def test_the_batch_found_on_meta_fits_when_run_and_the_next_size_up_does_not(nam
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_the_throughput_objective_picks_the_most_samples_per_second() -> None:
     model, args, kwargs = EXAMPLES["mlp"]()
     found = autoremat.fit(
@@ -165,6 +169,7 @@ def test_device_memory_forms_and_cuda_estimates() -> None:
         device_model("lots")
 
 
+@pytest.mark.slow
 def test_the_fit_command_prints_the_batch_the_plan_and_the_memory(capsys: Any) -> None:
     assert main(["fit", "mlp", "--device-memory", "48MiB", "--optimizer", "sgd"]) == 0
     out = capsys.readouterr().out
@@ -173,6 +178,7 @@ def test_the_fit_command_prints_the_batch_the_plan_and_the_memory(capsys: Any) -
     assert "Plan for Sequential" in out
 
 
+@pytest.mark.slow
 def test_a_plan_for_a_device_fits_the_whole_step_at_a_fixed_batch() -> None:
     model, args, kwargs = EXAMPLES["gpt2"]()
     whole = autoremat.measure_training(model, args, kwargs, optimizer="sgd").tensors
@@ -196,6 +202,7 @@ def test_scale_batch_along_another_dimension() -> None:
     assert batch_size_of((x,), {}, dim=1) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "two-tower"])
 def test_autocast_is_sized_on_meta_as_it_runs(name: str) -> None:
     """Autocast does not act on meta tensors; MetaAutocast makes its casts there: the profile
@@ -224,6 +231,7 @@ def test_autocast_is_sized_on_meta_as_it_runs(name: str) -> None:
     assert abs(predicted - found.measured.tensors) <= 0.01 * found.measured.tensors
 
 
+@pytest.mark.slow
 def test_a_plan_made_for_autocast_holds_its_budget_under_autocast() -> None:
     """``plan(..., autocast=...)`` profiles forward and loss under autocast, as it will train;
     inside an autocast region it does the same (the region's cast cache would hide the step's
@@ -247,6 +255,7 @@ def test_a_plan_made_for_autocast_holds_its_budget_under_autocast() -> None:
     assert abs(chosen.estimated_peak - measured) <= 0.05 * measured
 
 
+@pytest.mark.slow
 def test_autocast_and_device_memory_forms_are_checked_with_messages() -> None:
     model, args, kwargs = EXAMPLES["mlp"]()
     with pytest.raises(TypeError, match=r"autocast must be None, a dtype"):
@@ -267,6 +276,7 @@ def test_autocast_and_device_memory_forms_are_checked_with_messages() -> None:
     assert "mixed precision" not in str(refused.value)  # it is mixed precision already
 
 
+@pytest.mark.slow
 def test_a_hugging_face_models_own_step_is_predicted_with_its_cache() -> None:
     """Without a plan, the step predicted is the model's own: a Hugging Face model fills its
     key/value cache in training (1.4% more on GPT-2, which the prediction missed before)."""

@@ -372,6 +372,7 @@ def test_property_chosen_nodes_are_tree_nodes_and_not_leaves(root, segments):
         assert not n.is_leaf, n.path
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(root=trees(), segments=segments_st)
 def test_property_other_nodes_all_come_from_one_level_after_the_split_points(root, segments):
@@ -390,6 +391,7 @@ def test_property_other_nodes_all_come_from_one_level_after_the_split_points(roo
         assert all(depth[id(n)] <= stop for n in chosen)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(root=trees(), segments=segments_st)
 def test_property_count_exceeds_segments_unless_the_tree_is_exhausted(root, segments):
@@ -454,6 +456,7 @@ def test_property_deterministic_and_pure(root, segments):
     assert snapshot(root) == before
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(root=trees(), segments=segments_st)
 def test_property_more_segments_never_stops_at_a_shallower_level(root, segments):

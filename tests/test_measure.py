@@ -155,6 +155,7 @@ def test_wrapping_with_autoremat_apply_drops_saved_bytes():
     assert before.saved - after.saved == A
 
 
+@pytest.mark.slow
 def test_flops_are_exact_and_include_recompute():
     """Each forward mm is 2*M*N*K; backward computes the input gradient and the weight
     gradient, two mms of the same size, except for the first Linear whose input does not
@@ -248,6 +249,7 @@ def test_measure_leaves_the_model_as_found():
         assert torch.equal(torch.random.get_rng_state(), rng)
 
 
+@pytest.mark.slow
 def test_measure_is_deterministic_with_dropout():
     model, args, kwargs = EXAMPLES["gpt2"]()
     first = measure(model, args, kwargs)

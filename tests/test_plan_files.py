@@ -168,6 +168,7 @@ def wide(n: int) -> nn.Module:
     return model
 
 
+@pytest.mark.slow
 def test_three_thousand_entries_load_and_apply_in_little_memory(tmp_path: Path) -> None:
     model = wide(3000)
     modules = tuple(f"m{i}" for i in range(3000))
@@ -189,6 +190,7 @@ def test_three_thousand_entries_load_and_apply_in_little_memory(tmp_path: Path) 
         Plan.from_dict({**data, "modules": [*runs, "[5998:6000]"]})
 
 
+@pytest.mark.slow
 def test_nesting_among_many_entries_is_found() -> None:
     entries = [f"a.{i}" for i in range(30_000)] + [f"s[{2 * i}:{2 * i + 2}]" for i in range(30_000)]
     assert first_nested(entries) is None
@@ -497,6 +499,7 @@ def _mutate(data: Any, where: tuple[Any, ...], how: str, value: Any) -> None:
         data[last] = value
 
 
+@pytest.mark.slow
 @given(
     changes=st.lists(
         st.tuples(

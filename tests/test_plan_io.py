@@ -26,6 +26,7 @@ def gpt2_budget_plan() -> Plan:
     return autoremat.plan(model, args, kwargs, budget="50%")
 
 
+@pytest.mark.slow
 def test_saved_plan_loads_equal_and_applies_with_the_same_gradients(
     gpt2_budget_plan: Plan, tmp_path: Path
 ) -> None:
@@ -149,6 +150,7 @@ _json = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=_json)
 def test_loader_fuzz_any_json_is_a_plan_or_a_value_error(data: object) -> None:
@@ -183,6 +185,7 @@ def test_the_small_plan_loads() -> None:
     assert Plan.from_dict(_small_plan().to_dict()) == _small_plan()
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(key=st.sampled_from(sorted(_small_plan().to_dict())), value=_json)
 def test_loader_fuzz_one_field_changed_is_a_plan_or_a_value_error(key: str, value: object) -> None:

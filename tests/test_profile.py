@@ -39,9 +39,10 @@ def test_exact_bytes_and_flops_on_a_chain():
         assert prof[f"{i}"].param_bytes == MiB
         assert prof[f"{i}"].input_bytes == prof[f"{i}"].output_bytes == 4 * MiB
         assert prof[f"{i}"].calls == 1
-        assert prof[f"{i}"].seconds > 0
+        # inclusive forward time: a node's window holds its children's (fastest of each)
+        assert prof[f"{i}"].seconds >= prof[f"{i}.0"].seconds + prof[f"{i}.1"].seconds > 0
     assert prof[""].saved == 12 * MiB and prof[""].flops == 3 * MM
-    assert prof.device == "real"
+    assert prof.device == "cpu"
 
 
 @pytest.mark.parametrize("name", ["gpt2", "hf-bert", "unet"])
@@ -70,6 +71,7 @@ def test_loss_fn_costs_go_to_the_root():
     assert with_loss["0"].saved == without["0"].saved == 4 * MiB
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "hf-gpt2", "hf-llama", "cnn"])
 def test_meta_device_gives_the_same_bytes_and_flops(name):
     """The same profile on ``meta`` as on the CPU: bytes, FLOPs and the step's memory timeline
@@ -100,6 +102,7 @@ def test_meta_device_gives_the_same_bytes_and_flops(name):
     )
 
 
+@pytest.mark.slow
 def test_llama_2_7b_shape_on_meta():
     """32 layers, width 4096, sequence 4096, built and profiled without memory. Forward FLOPs
     are 2 x (parameters less the embedding table) x tokens plus attention's
@@ -194,6 +197,7 @@ def forward_moments(model: nn.Module, x: torch.Tensor) -> dict[int, int]:
     return most
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("entries", "selective"), [(["1"], []), (["0", "1"], ["0", "1"]), (["1.0", "1.1"], [])]
 )
@@ -232,6 +236,7 @@ def test_a_checkpointed_forward_is_priced_point_by_point(entries, selective):
     assert prof["1"].held_from == ((prof["1.0"].end + 1, -8 * MiB), (prof["1.1"].end + 1, -8 * MiB))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("entries", "selective"),
     [

@@ -254,6 +254,7 @@ def _saved_bytes_and_step(model: nn.Module, x: torch.Tensor) -> tuple[int, tuple
     return saved, (loss.detach(), [p.grad.clone() for p in model.parameters()])
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_the_wrapper_in_one_graph_and_keeps_the_plan():
     """``torch.compile`` of a wrapped model (backend ``aot_eager``: dynamo, AOTAutograd and the
     min-cut partitioner inductor uses, without inductor's tens-of-seconds cold compile): one
@@ -366,6 +367,7 @@ def _cache_of(output: Any) -> Any:
     return output.get("cache", output.get("past_key_values"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "how",
     [{"segments": 3}, {"budget": "50%"}, {"segments": 1}, {"segments": 0}],

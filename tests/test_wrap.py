@@ -13,12 +13,13 @@ from torch.utils.checkpoint import CheckpointError
 
 import autoremat
 from autoremat import wrap
+from autoremat.examples import EXAMPLES
 from autoremat.wrap import checkpointed
 from autoremat.wrap.checkpointed import Checkpointed, CheckpointedRuns
-from autoremat.examples import EXAMPLES
 from conftest import assert_same_step, train_step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segments", [1, 3, 8])
 def test_training_step_identical_on_every_example(example, segments):
     """Loss, gradients and buffers after one step equal the unwrapped model's, with dropout and
@@ -271,6 +272,7 @@ def test_hf_cache_is_turned_off_in_training_and_kept_otherwise(caplog):
     assert model(*args, **kwargs).cache is not None  # the hook is gone
 
 
+@pytest.mark.slow
 def test_a_plan_that_recomputes_nothing_still_trains_the_step_it_was_priced_on():
     """A budget the model meets without recompute gives a plan with no entry; applied, it
     turns the Hugging Face cache off in training as every plan does, so the measured step is

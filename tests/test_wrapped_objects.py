@@ -144,6 +144,7 @@ def test_shallow_copy_of_a_wrapped_module_stays_wrapped():
     assert copied.weight is model.inp.weight
 
 
+@pytest.mark.slow
 def test_the_pickle_loads_where_autoremat_was_never_imported(tmp_path):
     """A fresh interpreter that imports torch only (and transformers, for the GPT-2 pickle)
     loads the pickles and gets the plain models; autoremat stays unimported."""

@@ -34,6 +34,7 @@ __all__ = [
     "draws_random",
     "keeps",
     "op_name",
+    "ops_on",
     "resolve",
 ]
 
@@ -171,6 +172,28 @@ def check_names(names: Iterable[str], *, strict: bool = False) -> tuple[str, ...
                 f"({namespace[:40]!r}); name ops as torch.ops does, such as 'aten.mm'"
             )
     return names
+
+
+# The dispatch keys of an op's kernels that run on any device.
+_COMPOSITE = ("CompositeImplicitAutograd", "CompositeExplicitAutograd")
+
+
+def ops_on(names: Sequence[str], device_type: str | None) -> tuple[str, ...]:
+    """The ops among ``names`` that have a kernel for ``device_type`` (``"cpu"``, ``"cuda"``)
+    or one for every device in this build of torch: what a selective recompute on that
+    device can keep (the CUDA attention kernels are in the default list, and never run on a
+    CPU). All of ``names`` for ``None`` or ``"meta"`` (the target device is not known)."""
+    if device_type in (None, "meta"):
+        return tuple(names)
+    keys = (device_type.upper(), *_COMPOSITE)
+    return tuple(
+        n
+        for n in names
+        if any(
+            torch._C._dispatch_has_kernel_for_dispatch_key(n.replace(".", "::", 1), k)
+            for k in keys
+        )
+    )
 
 
 def draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -54,7 +54,7 @@ MAX_RUN = 64  # longest run of Sequential children considered as one recompute
 
 Steps = tuple[tuple[int, int], ...]
 Storages = dict[int, tuple[int, int]]  # kept output id -> (storage key, bytes)
-Reads = dict[int, tuple[int, str]]  # cast storage key -> (bytes, the node that made it)
+Reads = dict[int, tuple[int, Node]]  # cast storage key -> (bytes, the node that made it)
 
 
 Groups = tuple[tuple[int, tuple[int, ...]], ...]
@@ -84,11 +84,11 @@ class Run:
     recompute_peak: int
 
 
-def lowest_common(paths: set[str], parent: dict[str, str | None], depth: dict[str, int]) -> str:
-    """The lowest common ancestor of ``paths`` (paths outside the tree count as its root): the
-    smallest subtree that holds them all."""
-    root = next(p for p, up in parent.items() if up is None)
-    found = [p if p in parent else root for p in paths]
+def lowest_common(
+    nodes: set[Node], parent: dict[Node, Node | None], depth: dict[Node, int]
+) -> Node:
+    """The lowest common ancestor of ``nodes``: the smallest subtree that holds them all."""
+    found = list(nodes)
     lca = found[0]
     for other in found[1:]:
         a, b = lca, other
@@ -96,13 +96,13 @@ def lowest_common(paths: set[str], parent: dict[str, str | None], depth: dict[st
             a = parent[a]  # type: ignore[assignment]
         while depth[b] > depth[a]:
             b = parent[b]  # type: ignore[assignment]
-        while a != b:
+        while a is not b:
             a, b = parent[a], parent[b]  # type: ignore[assignment]
         lca = a
     return lca
 
 
-def freed_bytes(rec: Recording) -> tuple[dict[str, int], dict[str, int]]:
+def freed_bytes(rec: Recording) -> tuple[dict[Node, int], dict[Node, int]]:
     """Bytes each node's recompute would free (negative: would cost), and the part of the
     cost that is its inputs (charged; held from its start).
 
@@ -111,26 +111,24 @@ def freed_bytes(rec: Recording) -> tuple[dict[str, int], dict[str, int]]:
     until the node's backward; such an input would otherwise have been freed sooner.
     """
     parent, depth = rec.family
-    freed: dict[str, int] = defaultdict(int)
-    charged: dict[str, int] = defaultdict(int)
+    freed: dict[Node, int] = defaultdict(int)
+    charged: dict[Node, int] = defaultdict(int)
     for key, (size, who) in rec.savers.items():
-        node: str | None = lowest_common(who, parent, depth)
+        node: Node | None = lowest_common(who, parent, depth)
         while node is not None:
             if key not in rec.input_keys[node]:
                 freed[node] += size
             node = parent[node]
     for n in rec.tree.walk():
-        for key, size in rec.input_keys[n.path].items():
-            saved_inside = key in rec.savers and any(
-                rec.within(p, n.path) for p in rec.savers[key][1]
-            )
+        for key, size in rec.input_keys[n].items():
+            saved_inside = key in rec.savers and any(rec.within(p, n) for p in rec.savers[key][1])
             if not saved_inside:
-                freed[n.path] -= size
-                charged[n.path] += size
+                freed[n] -= size
+                charged[n] += size
     return freed, charged
 
 
-def released(rec: Recording, ends: dict[str, int]) -> dict[str, list[tuple[int, int, int]]]:
+def released(rec: Recording, ends: dict[Node, int]) -> dict[Node, list[tuple[int, int, int]]]:
     """For each node, the storages saved for backward inside it that its forward no longer
     holds, part-way through, when the node is checkpointed: ``(point, storage, bytes)``.
 
@@ -140,9 +138,9 @@ def released(rec: Recording, ends: dict[str, int]) -> dict[str, list[tuple[int, 
     ancestor's forward runs with those bytes gone (unless a selective recompute keeps them).
     """
     parent, depth = rec.family
-    found: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    found: dict[Node, list[tuple[int, int, int]]] = defaultdict(list)
     for key, (size, who) in rec.savers.items():
-        r: str | None = lowest_common(who, parent, depth)
+        r: Node | None = lowest_common(who, parent, depth)
         while r is not None and (key in rec.input_keys[r] or key in rec.output_keys[r]):
             r = parent[r]
         if r is None or r not in ends:
@@ -163,15 +161,15 @@ def _steps(changes: list[tuple[int, int]]) -> Steps:
     return tuple((p, b) for p, b in sorted(total.items()) if b)
 
 
-def kept_cost(rec: Recording, path: str, kept: Storages) -> int:
-    """Bytes that a selective recompute of ``path`` frees less than a full one: the kept
+def kept_cost(rec: Recording, node: Node, kept: Storages) -> int:
+    """Bytes that a selective recompute of ``node`` frees less than a full one: the kept
     storages the full recompute would have freed (saved only inside it), and those nothing
     saved (the cache holds them until the node's backward, when they would have been gone)."""
     lost = 0
     for uid, (key, size) in kept.items():
-        if key in rec.input_keys[path]:
+        if key in rec.input_keys[node]:
             continue
-        if all(rec.within(p, path) for p in rec.kept_savers.get(uid, ())):
+        if all(rec.within(p, node) for p in rec.kept_savers.get(uid, ())):
             lost += size
     return lost
 
@@ -197,44 +195,44 @@ def held_from(
     )
 
 
-def recompute_peak(rec: Recording, line: Timeline, path: str, freed: int, kept: Storages) -> int:
-    """The live bytes at the peak of a recompute of ``path`` that frees ``freed`` and, if
+def recompute_peak(rec: Recording, line: Timeline, node: Node, freed: int, kept: Storages) -> int:
+    """The live bytes at the peak of a recompute of ``node`` that frees ``freed`` and, if
     selective, takes ``kept`` from its cache (0 when its backward never ran): when it begins,
     those of the step without recompute less ``freed``; then, at each moment of its forward up
     to its last save (where checkpoint's early stop ends the recompute), plus what the forward
     had added since the node began, less the kept outputs made before that moment (in the
     cache from the start, so counted already)."""
-    if path not in line.backward_now:
+    if node not in line.backward_now:
         return 0
     events = rec.events
     made = sorted((rec.born[uid], size) for uid, (_, size) in kept.items())
     borns = [b for b, _ in made]
     before = [0, *itertools.accumulate(size for _, size in made)]
-    first, last = line.events[path]
-    stop, high = rec.last_save.get(path, (first + 1, events[first][3]))
+    first, last = line.events[node]
+    stop, high = rec.last_save.get(node, (first + 1, events[first][3]))
     moments = [(i, events[i][2]) for i in range(first + 1, min(stop, last + 1))]
     began = events[first][3]
     most = max(
         b - began - before[bisect.bisect_left(borns, i)] for i, b in [*moments, (stop, high)]
     )
-    return line.backward_now[path] - freed + most
+    return line.backward_now[node] - freed + most
 
 
-def cast_reads_within(rec: Recording) -> dict[str, Reads]:
+def cast_reads_within(rec: Recording) -> dict[Node, Reads]:
     """For each node, the casts (:attr:`Recording.cast_reads`) that ops inside its subtree read
     and a node outside it made."""
     parent = rec.family[0]
-    found: dict[str, Reads] = defaultdict(dict)
+    found: dict[Node, Reads] = defaultdict(dict)
     for reader, reads in rec.cast_reads.items():
         for key, (size, maker) in reads.items():
-            node: str | None = reader
+            node: Node | None = reader
             while node is not None and not rec.within(maker, node):
                 found[node][key] = (size, maker)
                 node = parent[node]
     return found
 
 
-def recasts(rec: Recording, line: Timeline, reads: dict[str, Reads]) -> dict[str, Recast]:
+def recasts(rec: Recording, line: Timeline, reads: dict[Node, Reads]) -> dict[Node, Recast]:
     """What each node's recompute casts again, beyond what the step without recompute holds.
 
     Autocast casts a weight once per forward (its cast cache) and the first node to use it
@@ -266,7 +264,7 @@ def recasts(rec: Recording, line: Timeline, reads: dict[str, Reads]) -> dict[str
     return found
 
 
-def _recast_moments(rec: Recording, line: Timeline, node: str, group: dict[int, int]) -> Moments:
+def _recast_moments(rec: Recording, line: Timeline, node: Node, group: dict[int, int]) -> Moments:
     """The stretches of ``node``'s backward while the copies its recompute cast again live
     (:class:`Recast` ``moments``): from when backward first used what it saved until the
     last grad_fn that used one of them has run (then it lets them go)."""
@@ -288,14 +286,14 @@ def _recast_moments(rec: Recording, line: Timeline, node: str, group: dict[int, 
     )
 
 
-def run_recast(rec: Recording, reads: dict[str, Reads], paths: list[str]) -> int:
-    """The bytes a recompute of the nodes ``paths`` as one (a run) may cast again: the casts
-    read inside them that none of them made (counted whatever else is recomputed)."""
+def run_recast(rec: Recording, reads: dict[Node, Reads], nodes: list[Node]) -> int:
+    """The bytes a recompute of ``nodes`` as one (a run) may cast again: the casts read inside
+    them that none of them made (counted whatever else is recomputed)."""
     keys: Reads = {}
-    for path in paths:
-        keys.update(reads.get(path, {}))
+    for node in nodes:
+        keys.update(reads.get(node, {}))
     return sum(
-        size for size, maker in keys.values() if not any(rec.within(maker, p) for p in paths)
+        size for size, maker in keys.values() if not any(rec.within(maker, n) for n in nodes)
     )
 
 
@@ -308,33 +306,33 @@ def _chained_children(node: Node, line: Timeline) -> bool:
         and type(node.module).forward is nn.Sequential.forward
         and len(kids) >= 2
         and [c.module for c in kids] == list(node.module._modules.values())
-        and all(c.calls == 1 and c.path in line.events for c in kids)
+        and all(c.calls == 1 and c in line.events for c in kids)
     )
 
 
-def runs(rec: Recording, line: Timeline) -> dict[str, tuple[Run, ...]]:
+def runs(rec: Recording, line: Timeline) -> dict[Node, tuple[Run, ...]]:
     """Costs of recomputing runs of two or more consecutive children of each plain
     ``nn.Sequential`` (whose stock forward chains its children), as :func:`freed_bytes` and
     :func:`recompute_peak` price one node: a run's recompute begins when backward first uses
     what any of its children saved, and ends at the last save of any."""
     return {
-        node.path: tuple(_runs_of(rec, line, node))
+        node: tuple(_runs_of(rec, line, node))
         for node in rec.tree.walk()
         if _chained_children(node, line)
     }
 
 
-def _child_index(node: Node) -> dict[str, int]:
-    return {c.path: k for k, c in enumerate(node.children)}
+def _child_index(node: Node) -> dict[Node, int]:
+    return {c: k for k, c in enumerate(node.children)}
 
 
-def _child_of(rec: Recording, node: Node, index: dict[str, int], path: str) -> int:
+def _child_of(rec: Recording, node: Node, index: dict[Node, int], inner: Node) -> int:
     """The index of the child of ``node`` (in the tree of calls) whose subtree holds
-    ``path``, -1 if none."""
+    ``inner``, -1 if none."""
     parent = rec.family[0]
-    here: str | None = path
-    while here is not None and parent.get(here, None) != node.path:
-        here = parent.get(here)
+    here: Node | None = inner
+    while here is not None and parent[here] is not node:
+        here = parent[here]
     return -1 if here is None else index.get(here, -1)
 
 
@@ -349,7 +347,7 @@ def _gains(rec: Recording, node: Node) -> list[list[int]]:
             continue
         lo, hi = min(where), max(where)
         for i in range(max(0, hi - MAX_RUN + 1), lo + 1):
-            if key not in rec.input_keys[kids[i].path]:
+            if key not in rec.input_keys[kids[i]]:
                 gain[i][hi + 1] += size
     return gain
 
@@ -359,7 +357,7 @@ def _charges(rec: Recording, node: Node, i: int) -> list[int]:
     kids, index = node.children, _child_index(node)
     n = len(kids)
     charges = [0] * (n + 1)
-    for key, size in rec.input_keys[kids[i].path].items():
+    for key, size in rec.input_keys[kids[i]].items():
         users = (
             [_child_of(rec, node, index, p) for p in rec.savers[key][1]]
             if key in rec.savers
@@ -377,19 +375,19 @@ def _runs_of(rec: Recording, line: Timeline, node: Node) -> list[Run]:
     found = []
     for i in range(len(kids)):
         charges = _charges(rec, node, i)
-        start_event = line.events[kids[i].path][0]
+        start_event = line.events[kids[i]][0]
         freed = 0
         first: tuple[int, int] | None = None  # the first use of what the run saved
         stop = (0, 0)  # its last save
         for j in range(i + 1, min(len(kids), i + MAX_RUN) + 1):
             freed += gain[i][j]
-            use = rec.unpacked.get(kids[j - 1].path)
+            use = rec.unpacked.get(kids[j - 1])
             if use is not None and (first is None or use < first):
                 first = use
-            stop = max(stop, rec.last_save.get(kids[j - 1].path, (0, 0)))
+            stop = max(stop, rec.last_save.get(kids[j - 1], (0, 0)))
             if j - i < 2:
                 continue
-            last = kids[j - 1].path
+            last = kids[j - 1]
             end_event = min(line.events[last][1], stop[0] - 1)
             high = max([e[2] for e in events[start_event + 1 : end_event + 1]] + [stop[1]])
             added = high - events[start_event][3]

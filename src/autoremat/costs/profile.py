@@ -182,7 +182,9 @@ class Profile:
     recomputing any of those would have lowered that moment by its ``freed`` bytes.
     ``forward_points`` are the moments of the forward pass (up to the loss),
     ``backward_points`` those after it, and :attr:`points` both (the most at each ``p``).
-    ``peak`` is the step's peak, as :func:`autoremat.measure` defines it. ``op_overhead`` and
+    ``peak`` is the step's peak, as :func:`autoremat.measure` defines it. ``device`` is the
+    type of the device the step ran on (``"cpu"``, ``"cuda"``), or ``"meta"``, where nothing
+    runs and times are estimated from FLOPs and bytes. ``op_overhead`` and
     ``selective_op_overhead`` are the seconds a recompute adds per op beyond the op itself,
     plain and selective (:func:`~autoremat.record.timing.overheads`).
     """
@@ -313,12 +315,12 @@ def _profile(
     modules = build_tree(model, args, kwargs)
     tensors = [*(t for _, t in iter_tensors((args, kwargs))), *model.parameters()]
     meta = any(t.device.type == "meta" for t in tensors)
+    device = tensors[0].device if tensors else torch.device("cpu")
     rec = record_step(model, args, kwargs, modules, loss_fn, meta, autocast, hf_cache)
     tree = rec.tree
     line = timeline(tree, rec.events, {p: now for p, (_, now) in rec.unpacked.items()})
     times = _Times(meta=meta)
     if not meta:
-        device = tensors[0].device if tensors else torch.device("cpu")
         nodes = {id(n.module): (n.module_path, n.module, n.calls) for n in tree.walk()}
         times.forward, times.ops = time_forward(
             model, args, kwargs, nodes, device, autocast=autocast
@@ -328,8 +330,8 @@ def _profile(
     return Profile(
         tree=tree,
         module_tree=modules,
-        costs={n.path: costs[n.path] for n in tree.walk()},
-        device="meta" if meta else "real",
+        costs={n.path: costs[n] for n in tree.walk()},
+        device="meta" if meta else device.type,
         peak=max(v for phase in (line.forward_points, line.backward_points) for _, v in phase),
         forward_points=line.forward_points,
         backward_points=line.backward_points,
@@ -365,19 +367,17 @@ class _Assembly:
     def __init__(self, rec: Recording, line: Timeline, times: _Times) -> None:
         self.rec, self.line, self.times = rec, line, times
         self.freed, self.charged = cost_model.freed_bytes(rec)
-        ends = {path: end for path, (_, end) in line.spans.items()}
+        ends = {node: end for node, (_, end) in line.spans.items()}
         self.released = cost_model.released(rec, ends)
         self.reads = cost_model.cast_reads_within(rec)
         self.recasts = cost_model.recasts(rec, line, self.reads)
         self.runs = {
-            path: tuple(
-                self._recast_run([c.path for c in rec.tree.find(path).children], r) for r in found
-            )
-            for path, found in cost_model.runs(rec, line).items()
+            node: tuple(self._recast_run(node.children, r) for r in found)
+            for node, found in cost_model.runs(rec, line).items()
         }
-        self.found: dict[str, NodeCost] = {}
+        self.found: dict[Node, NodeCost] = {}
 
-    def _recast_run(self, kids: list[str], run: Run) -> Run:
+    def _recast_run(self, kids: list[Node], run: Run) -> Run:
         """``run`` of children ``kids`` with its peak counting the casts its recompute makes
         again."""
         if not run.recompute_peak:  # its backward never ran
@@ -385,7 +385,7 @@ class _Assembly:
         extra = cost_model.run_recast(self.rec, self.reads, kids[run.i : run.j])
         return dataclasses.replace(run, recompute_peak=run.recompute_peak + extra)
 
-    def costs(self) -> dict[str, NodeCost]:
+    def costs(self) -> dict[Node, NodeCost]:
         self.total(self.rec.tree)
         return self.found
 
@@ -393,8 +393,8 @@ class _Assembly:
         """Fill :attr:`found` for ``node`` and below; return, for each way, the storages a
         selective recompute of ``node`` keeps."""
         below = [self.total(c) for c in node.children]
-        kids = [self.found[c.path] for c in node.children]
-        own = self.rec.own_ops[node.path]
+        kids = [self.found[c] for c in node.children]
+        own = self.rec.own_ops[node]
         kept = {way: dict(own.kept[way].storages) for way in WAYS}
         for k in below:
             for way in WAYS:
@@ -409,10 +409,10 @@ class _Assembly:
         )
         path = node.path
         params = {id(p): p for p in node.module.parameters()}
-        self.found[path] = NodeCost(
+        self.found[node] = NodeCost(
             path=path,
-            saved=self.rec.own_saved[path] + sum(k.saved for k in kids),
-            own_saved=self.rec.own_saved[path],
+            saved=self.rec.own_saved[node] + sum(k.saved for k in kids),
+            own_saved=self.rec.own_saved[node],
             flops=flops,
             own_flops=own.flops,
             seconds=self.times.forward_time(path, flops),
@@ -420,23 +420,23 @@ class _Assembly:
             output_bytes=node.output_bytes,
             param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
             calls=node.calls,
-            freed=self.freed[path],
-            start=self.line.spans[path][0],
-            end=self.line.spans[path][1],
-            recompute_peak=self._peak(path, self.freed[path], {}),
-            runs=self.runs.get(path, ()),
+            freed=self.freed[node],
+            start=self.line.spans[node][0],
+            end=self.line.spans[node][1],
+            recompute_peak=self._peak(node, self.freed[node], {}),
+            runs=self.runs.get(node, ()),
             written=written,
-            held=self.charged[path],
-            held_from=cost_model.held_from(self.rec, self.line, self.released[path], {}),
+            held=self.charged[node],
+            held_from=cost_model.held_from(self.rec, self.line, self.released[node], {}),
             ops=own.ops + sum(k.ops for k in kids),
             op_seconds=seconds,
             ways=ways,
-            recast=self.recasts.get(path, Recast()),
+            recast=self.recasts.get(node, Recast()),
         )
         return kept
 
-    def _peak(self, path: str, freed: int, kept: Storages) -> int:
-        return cost_model.recompute_peak(self.rec, self.line, path, freed, kept)
+    def _peak(self, node: Node, freed: int, kept: Storages) -> int:
+        return cost_model.recompute_peak(self.rec, self.line, node, freed, kept)
 
     def _way(
         self,
@@ -450,22 +450,22 @@ class _Assembly:
         """The :class:`WayCost` of way ``way`` (the ``m``-th) for ``node``, given what a whole
         recompute runs (``whole``: FLOPs, bytes written, op seconds)."""
         flops, written, seconds = whole
-        mine = self.rec.own_ops[node.path].kept[way]
+        mine = self.rec.own_ops[node].kept[way]
         kept_flops = mine.flops + sum(k.flops - k.ways[m].flops for k in kids)
         kept_written = mine.written + sum(k.written - k.ways[m].written for k in kids)
         kept_seconds = self.times.op_time(node.path, way, mine.flops, mine.written) + sum(
             k.op_seconds - k.ways[m].op_seconds for k in kids
         )
-        freed = self.freed[node.path] - cost_model.kept_cost(self.rec, node.path, kept)
+        freed = self.freed[node] - cost_model.kept_cost(self.rec, node, kept)
         return WayCost(
             way=way,
             save_ops=WAYS[way],
             freed=freed,
             flops=flops - kept_flops,
             written=written - kept_written,
-            held=self.charged[node.path],
-            held_from=cost_model.held_from(self.rec, self.line, self.released[node.path], kept),
-            recompute_peak=self._peak(node.path, freed, kept),
+            held=self.charged[node],
+            held_from=cost_model.held_from(self.rec, self.line, self.released[node], kept),
+            recompute_peak=self._peak(node, freed, kept),
             op_seconds=max(0.0, seconds - kept_seconds),
             kept_changed=any(uid in self.rec.changed for uid in kept),
         )

@@ -25,41 +25,40 @@ class Timeline:
     """``spans``: node -> (start, end); ``forward_points``/``backward_points``; ``events``:
     node -> (index of its first event, of its last); ``backward_now``: node -> live bytes when
     its recompute would begin (when backward first used what it saved, else when its backward
-    began); ``ended_before[i]``: how many nodes had ended before event ``i``."""
+    began); ``ended_before[i]``: how many nodes had ended before event ``i``; ``point_at[i]``:
+    the point of the interval that ends with event ``i``. Nodes are the recording's."""
 
-    spans: dict[str, tuple[int, int]]
+    spans: dict[Node, tuple[int, int]]
     forward_points: Points
     backward_points: Points
-    events: dict[str, tuple[int, int]]
-    backward_now: dict[str, int]
+    events: dict[Node, tuple[int, int]]
+    backward_now: dict[Node, int]
     ended_before: list[int]
     point_at: tuple[int, ...] = ()
 
 
-def timeline(tree: Node, events: list[Event], unpacked: dict[str, int]) -> Timeline:
+def timeline(tree: Node, events: list[Event], unpacked: dict[Node, int]) -> Timeline:
     """The :class:`Timeline` of a recorded step (``unpacked``: node -> live bytes when
     backward first used what it saved)."""
-    last_end: dict[str, int] = {}
-    first_start: dict[str, int] = {}
-    for i, (kind, path, _, _) in enumerate(events):
+    last_end: dict[Node, int] = {}
+    first_start: dict[Node, int] = {}
+    for i, (kind, node, _, _) in enumerate(events):
         if kind == "end":
-            last_end[path] = i
+            last_end[node] = i
         elif kind == "start":
-            first_start.setdefault(path, i)
+            first_start.setdefault(node, i)
     order = sorted(last_end, key=last_end.__getitem__)
-    index = {path: k for k, path in enumerate(order)}
+    index = {node: k for k, node in enumerate(order)}
     ended_before = _ended_before(sorted(last_end.values()), len(events))
     spans = {
-        n.path: (ended_before[first_start[n.path]], index[n.path])
-        for n in tree.walk()
-        if n.path in last_end
+        n: (ended_before[first_start[n]], index[n]) for n in tree.walk() if n in last_end
     }
     forward, backward, backward_now, point_at = _points(events, index, ended_before, unpacked)
     return Timeline(
         spans=spans,
         forward_points=forward,
         backward_points=backward,
-        events={path: (first_start[path], last_end[path]) for path in last_end},
+        events={node: (first_start[node], last_end[node]) for node in last_end},
         backward_now=backward_now,
         ended_before=ended_before,
         point_at=point_at,
@@ -78,25 +77,25 @@ def _ended_before(ends: list[int], count: int) -> list[int]:
 
 
 def _points(
-    events: list[Event], index: dict[str, int], ended_before: list[int], unpacked: dict[str, int]
-) -> tuple[Points, Points, dict[str, int], tuple[int, ...]]:
+    events: list[Event], index: dict[Node, int], ended_before: list[int], unpacked: dict[Node, int]
+) -> tuple[Points, Points, dict[Node, int], tuple[int, ...]]:
     """The most live bytes at each point, in the forward and after it; the live bytes when
     each node's recompute would begin; and the point of each event's interval."""
     loss_at = next(i for i, e in enumerate(events) if e[0] == "loss")
     peaks: tuple[dict[int, int], dict[int, int]] = ({}, {})
-    backward_now: dict[str, int] = {}
+    backward_now: dict[Node, int] = {}
     started = [False] * len(index)
     prefix = len(index)  # nodes 0..prefix-1 have all not begun their backward
     point_at = []
-    for i, (kind, path, peak, now) in enumerate(events):
+    for i, (kind, node, peak, now) in enumerate(events):
         # the peak was reached in the interval that ends with event i
         p = ended_before[i] if i <= loss_at else prefix
         point_at.append(p)
         phase = peaks[0 if i <= loss_at else 1]
         phase[p] = max(phase.get(p, 0), peak)
-        if kind == "backward" and path in index and not started[index[path]]:
-            started[index[path]] = True
-            prefix = min(prefix, index[path])
-            backward_now[path] = unpacked.get(path, now)
+        if kind == "backward" and node in index and not started[index[node]]:
+            started[index[node]] = True
+            prefix = min(prefix, index[node])
+            backward_now[node] = unpacked.get(node, now)
     forward, backward = (tuple(sorted(phase.items())) for phase in peaks)
     return forward, backward, backward_now, tuple(point_at)

@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from autoremat.core.entries import covered, module_of, parse_call, parse_run, run_entry
-from autoremat.core.selective import FULL, WAYS
+from autoremat.core.selective import FULL, WAYS, ops_on
 from autoremat.core.sizes import format_size
 from autoremat.planning.choice import Choice
 from autoremat.planning.fingerprint import fingerprint, structure
@@ -56,7 +56,9 @@ class Plan:
     number of calls the plan was made for; a step with another number warns. ``warnings``:
     what its strategy had to say, by kind (``"left_out"``: modules left out; ``"near_lowest"``:
     a budget close to the lowest peak any plan reaches), logged by :func:`autoremat.plan`; not
-    saved. ``print(plan)``
+    saved. ``device``: the type of the device a budget plan's profile ran on (``"cpu"``,
+    ``"cuda"``, ``"meta"``), for which its summary lists the ops kept; not saved.
+    ``print(plan)``
     shows the choice, what was left out and the tree with the chosen modules marked ``*``.
     """
 
@@ -76,6 +78,7 @@ class Plan:
     left_out: dict[str, str] = field(default_factory=dict, hash=False)
     calls: dict[str, int] = field(default_factory=dict, hash=False)
     warnings: dict[str, str] = field(default_factory=dict, hash=False, compare=False, repr=False)
+    device: str | None = field(default=None, compare=False, repr=False)
     fingerprint: str | None = None
     structure: tuple[str, ...] = field(default=(), repr=False)
     tree: Node | None = field(default=None, repr=False, compare=False)
@@ -220,7 +223,12 @@ class Plan:
         rows.append(self._figures())
         for way in dict.fromkeys(c.way for c in self.choices if c.way != FULL):
             ops = next((self.selective[c.path] for c in self.choices if c.way == way), WAYS[way])
-            rows.append(f"{way} keeps the outputs of: {', '.join(ops)}")
+            shown = ops_on(ops, self.device)
+            others = len(ops) - len(shown)
+            rows.append(
+                f"{way} keeps the outputs of: {', '.join(shown)}"
+                + (f" (and {others} kernels of other devices)" if others else "")
+            )
         return "\n".join(rows)
 
     def _figures(self) -> str:
@@ -253,7 +261,8 @@ class Plan:
     def summary(self) -> str:
         """The header and :meth:`table`, without the tree."""
         how = {
-            "levels": f"levels, segments={self.segments}",
+            "levels": f"levels, segments={self.segments}: the first level with more than "
+            f"{self.segments} split points",
             "budget": f"budget {format_size(self.budget)}" if self.budget else "budget",
         }.get(self.strategy, self.strategy)
         count = len(self.modules)

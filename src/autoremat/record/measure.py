@@ -85,7 +85,7 @@ class Measurement:
 
     def __str__(self) -> str:
         return (
-            f"peak {format_size(self.peak)}, saved {format_size(self.saved)}, "
+            f"peak {format_size(self.peak)}, held for backward {format_size(self.saved)}, "
             f"{self.flops / 1e9:.3f} GFLOP, {self.seconds * 1e3:.1f} ms/step"
         )
 

@@ -10,7 +10,6 @@ the cost model from them. Nothing here knows of plans, solvers or wraps.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import itertools
@@ -32,14 +31,14 @@ from autoremat.core.selective import WAYS, keeps, resolve
 from autoremat.record.memory import LiveMemory
 from autoremat.record.snapshot import preserved
 from autoremat.record.step import Autocast, LossFn, leaf_inputs, train_step
-from autoremat.record.tree import Node, tensor_infos
+from autoremat.record.tree import Node, TensorInfo, tensor_infos
 
 __all__ = ["Event", "Kept", "OpCosts", "OwnOps", "Recording", "lineage", "record_step"]
 
-# (kind, path, peak since the previous event, live bytes now); kind is "start" or "end" of a
+# (kind, node, peak since the previous event, live bytes now); kind is "start" or "end" of a
 # module's forward, "backward" when its backward began, "unpack" when backward first used what
 # it saved (or had used a cast it saved), "loss" when the forward ended, "done"
-Event = tuple[str, str, int, int]
+Event = tuple[str, Node, int, int]
 
 
 @dataclass
@@ -65,9 +64,10 @@ class OwnOps:
 @dataclass
 class Recording:
     """The facts of one recorded step (see the module docstring), by call: ``tree`` is the
-    tree of the step's calls (each node one call of a module, :class:`~autoremat.record.tree.Node`
-    with ``call`` set when its module ran several times), and every path below names a node
-    of it.
+    tree of the step's calls (each node one call of a module, a :class:`~autoremat.record.tree.Node`
+    with ``call`` set when its module ran several times), and every dictionary below is keyed
+    by its nodes (the nodes themselves: a node's ``path`` is its name in the profile, set when
+    the step is done).
 
     ``savers``: storage key -> (bytes, the innermost modules that saved it for backward);
     ``input_keys``/``output_keys``: the new storages each module took in and gave out;
@@ -79,15 +79,15 @@ class Recording:
 
     tree: Node
     events: list[Event]
-    own_saved: dict[str, int]
-    own_ops: dict[str, OwnOps]
-    savers: dict[int, tuple[int, set[str]]]
-    input_keys: dict[str, dict[int, int]]
-    output_keys: dict[str, set[int]]
-    kept_savers: dict[int, set[str]]
+    own_saved: dict[Node, int]
+    own_ops: dict[Node, OwnOps]
+    savers: dict[int, tuple[int, set[Node]]]
+    input_keys: dict[Node, dict[int, int]]
+    output_keys: dict[Node, set[int]]
+    kept_savers: dict[int, set[Node]]
     born: dict[int, int]
-    last_save: dict[str, tuple[int, int]]
-    unpacked: dict[str, tuple[int, int]]
+    last_save: dict[Node, tuple[int, int]]
+    unpacked: dict[Node, tuple[int, int]]
     # kept output ids that an op changed in place after they were made (selective
     # checkpointing refuses such a cached tensor in the recompute)
     changed: set[int] = field(default_factory=set)
@@ -95,29 +95,26 @@ class Recording:
     # cast of a weight) its own ops read that another node made: storage key -> (bytes, the
     # node whose op made it) (autocast's cast cache handed them over; a recompute, in an
     # autocast region of its own, casts them again)
-    cast_reads: dict[str, dict[int, tuple[int, str]]] = field(
+    cast_reads: dict[Node, dict[int, tuple[int, Node]]] = field(
         default_factory=lambda: defaultdict(dict)
     )
     # the index of the "unpack" event marked when backward first used what a node saved; and
     # for each cast a node saved, the event that ends the last stretch of backward in which
     # its grad_fns held it: (node, storage key) -> event index
-    unpack_events: dict[str, int] = field(default_factory=dict)
-    cast_unpacks: dict[tuple[str, int], int] = field(default_factory=dict)
+    unpack_events: dict[Node, int] = field(default_factory=dict)
+    cast_unpacks: dict[tuple[Node, int], int] = field(default_factory=dict)
 
     @functools.cached_property
-    def family(self) -> tuple[dict[str, str | None], dict[str, int]]:
+    def family(self) -> tuple[dict[Node, Node | None], dict[Node, int]]:
         """Each node's parent and depth (:func:`lineage` of the tree), worked out once."""
         return lineage(self.tree)
 
-    def within(self, inner: str, outer: str) -> bool:
-        """Whether node ``inner`` is ``outer`` or a node of its subtree (a path that is no node,
-        such as the loss's, counts as the root)."""
+    def within(self, inner: Node, outer: Node) -> bool:
+        """Whether node ``inner`` is ``outer`` or a node of its subtree."""
         parent, depth = self.family
-        if inner not in depth:
-            return parent.get(outer, "") is None
-        while depth[inner] > depth.get(outer, 0):
+        while depth[inner] > depth[outer]:
             inner = parent[inner]  # type: ignore[assignment]
-        return inner == outer
+        return inner is outer
 
 
 class OpCosts(TorchDispatchMode):
@@ -127,8 +124,8 @@ class OpCosts(TorchDispatchMode):
 
     def __init__(
         self,
-        stack: list[str],
-        own: dict[str, OwnOps],
+        stack: list[Node],
+        own: dict[Node, OwnOps],
         clock: Callable[[], int],
         preexisting: frozenset[int] = frozenset(),
     ) -> None:
@@ -139,8 +136,8 @@ class OpCosts(TorchDispatchMode):
         self.preexisting = preexisting  # storage keys of parameters, buffers and inputs
         # the copies made of parameters, buffers and inputs (``_to_copy``, as autocast casts a
         # weight): storage key -> (bytes, the node whose op made it)
-        self.casts: dict[int, tuple[int, str]] = {}
-        self.cast_reads: dict[str, dict[int, tuple[int, str]]] = defaultdict(dict)
+        self.casts: dict[int, tuple[int, Node]] = {}
+        self.cast_reads: dict[Node, dict[int, tuple[int, Node]]] = defaultdict(dict)
         self.born: dict[int, int] = {}  # kept output id -> the clock when it was made
         self.changed: set[int] = set()  # kept output ids changed in place after
         self.counting = True
@@ -182,7 +179,7 @@ class OpCosts(TorchDispatchMode):
         here = self.stack[-1]
         for key in seen:
             made = self.casts.get(key)  # type: ignore[arg-type]
-            if made is not None and made[1] != here:
+            if made is not None and made[1] is not here:
                 self.cast_reads[here][key] = made  # type: ignore[index]
         if func is torch.ops.aten._to_copy.default and not self.preexisting.isdisjoint(seen):
             self.casts.update((key, (size, here)) for key, size in new.items())
@@ -212,29 +209,30 @@ class OpCosts(TorchDispatchMode):
                     kept.storages[uids[key]] = (key, size)
 
 
-def lineage(tree: Node) -> tuple[dict[str, str | None], dict[str, int]]:
+def lineage(tree: Node) -> tuple[dict[Node, Node | None], dict[Node, int]]:
     """Each node's parent (``None`` for the root) and depth."""
-    parent: dict[str, str | None] = {tree.path: None}
-    depth: dict[str, int] = {tree.path: 0}
+    parent: dict[Node, Node | None] = {tree: None}
+    depth: dict[Node, int] = {tree: 0}
     for node in tree.walk():
         for child in node.children:
-            parent[child.path] = node.path
-            depth[child.path] = depth[node.path] + 1
+            parent[child] = node
+            depth[child] = depth[node] + 1
     return parent, depth
 
 
 class _Recorder:
     """The hooks of one recorded step, writing into one :class:`Recording`. Every call of a
-    module is a node of its own, named ``path@k`` while recording (:func:`_name_calls` names
-    those of modules that ran once by their path when the step is done); its parent is the
-    call that was running when it began."""
+    module is a node of its own (``path@k`` while recording; :meth:`finish` names those of
+    modules that ran once by their path); its parent is the call that was running when it
+    began. The root's first call is made before the step, so that what runs outside the
+    model's forward (the loss) is the root's."""
 
     def __init__(self, model: nn.Module, tree: Node, inputs: list[torch.Tensor]) -> None:
-        self.root = call_entry("", 0)
-        self.stack: list[str] = [self.root]
+        self.root = _call_of(tree, 0)
+        self.stack: list[Node] = [self.root]
         self.memory = LiveMemory()
-        self.parent: dict[str, str | None] = {self.root: None}
-        self.calls: dict[str, Node] = {}
+        self.parent: dict[Node, Node | None] = {self.root: None}
+        self.calls: list[Node] = [self.root]
         self.modules = {id(n.module): n for n in tree.walk()}
         self.count: dict[int, int] = defaultdict(int)
         self.preexisting = frozenset(
@@ -245,7 +243,7 @@ class _Recorder:
         self.grad_hooks: list[Any] = []
         self.progress = Progress("profiling", sum(n.calls for n in tree.walk()), "module calls")
         self.rec = Recording(
-            tree=tree,
+            tree=self.root,
             events=[],
             own_saved=defaultdict(int),
             own_ops=defaultdict(OwnOps),
@@ -264,17 +262,17 @@ class _Recorder:
         self.rec.changed = self.costs.changed
         self.rec.cast_reads = self.costs.cast_reads
 
-    def mark(self, kind: str, path: str) -> None:
-        self.rec.events.append((kind, path, self.memory.peak, self.memory.current))
+    def mark(self, kind: str, node: Node) -> None:
+        self.rec.events.append((kind, node, self.memory.peak, self.memory.current))
         self.memory.reset_peak()
 
-    def pack(self, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    def pack(self, t: torch.Tensor) -> tuple[Node, torch.Tensor]:
         rec, here = self.rec, self.stack[-1]
         if self.costs.counting:
-            path: str | None = here
-            while path is not None:
-                rec.last_save[path] = (len(rec.events), self.memory.peak)
-                path = self.parent.get(path)
+            node: Node | None = here
+            while node is not None:
+                rec.last_save[node] = (len(rec.events), self.memory.peak)
+                node = self.parent[node]
         key = storage_key(t)
         if key is None or key in self.preexisting:
             return here, t
@@ -287,67 +285,66 @@ class _Recorder:
             rec.kept_savers[uid].add(here)
         return here, t
 
-    def unpack(self, packed: tuple[str, torch.Tensor]) -> torch.Tensor:
-        rec, path = self.rec, packed[0]
-        if path not in rec.unpacked:
-            self.mark("unpack", path)
-        here: str | None = path
+    def unpack(self, packed: tuple[Node, torch.Tensor]) -> torch.Tensor:
+        rec, saver = self.rec, packed[0]
+        if saver not in rec.unpacked:
+            self.mark("unpack", saver)
+        here: Node | None = saver
         while here is not None and here not in rec.unpacked:
             rec.unpacked[here] = (len(rec.unpacked), self.memory.current)
             rec.unpack_events[here] = len(rec.events) - 1
-            here = self.parent.get(here)
+            here = self.parent[here]
         if self.costs.casts and (key := storage_key(packed[1])) in self.costs.casts:
-            self._cast_used(path, key)
+            self._cast_used(saver, key)
         return packed[1]
 
-    def _cast_used(self, path: str, key: int) -> None:
-        """Backward's grad_fn of ``path`` uses the cast ``key``: mark when it has run (it lets
+    def _cast_used(self, saver: Node, key: int) -> None:
+        """Backward's grad_fn of ``saver`` uses the cast ``key``: mark when it has run (it lets
         what it saved go then), in :attr:`Recording.cast_unpacks`."""
-        node = torch._C._current_autograd_node()
-        if node is None:  # not in a grad_fn: the stretch that begins now holds it
-            self.mark("unpack", path)
-            self.rec.cast_unpacks[path, key] = len(self.rec.events)
+        grad_fn = torch._C._current_autograd_node()
+        if grad_fn is None:  # not in a grad_fn: the stretch that begins now holds it
+            self.mark("unpack", saver)
+            self.rec.cast_unpacks[saver, key] = len(self.rec.events)
             return
 
         def ran(_grad_inputs: Any, _grad_outputs: Any) -> None:
-            self.mark("unpack", path)
-            self.rec.cast_unpacks[path, key] = len(self.rec.events) - 1
+            self.mark("unpack", saver)
+            self.rec.cast_unpacks[saver, key] = len(self.rec.events) - 1
 
-        node.register_hook(ran)
+        grad_fn.register_hook(ran)
 
     def enter(self, module: nn.Module, a: Any, kw: Any) -> None:
-        node = self.modules[id(module)]
         k = self.count[id(module)]
         self.count[id(module)] += 1
-        name = call_entry(node.path, k)
-        caller = None if name == self.root else self.stack[-1]
-        self.parent[name] = caller
-        self.calls[name] = call = dataclasses.replace(
-            node, path=name, children=[], call=k, calls=0,
-            inputs=tuple(tensor_infos(a, "args") + tensor_infos(kw, "kwargs")), outputs=(),
-        )  # fmt: skip
-        if caller is not None:
-            self.calls[caller].children.append(call)
-        self.mark("start", name)
-        self.stack.append(name)
-        self.rec.input_keys[name].update(
+        inputs = tuple(tensor_infos(a, "args") + tensor_infos(kw, "kwargs"))
+        if module is self.root.module and k == 0:
+            call = self.root
+            call.inputs = inputs
+        else:
+            call = _call_of(self.modules[id(module)], k, inputs)
+            self.parent[call] = caller = self.stack[-1]
+            caller.children.append(call)
+            self.calls.append(call)
+        self.mark("start", call)
+        self.stack.append(call)
+        self.rec.input_keys[call].update(
             (key, t.untyped_storage().nbytes())
             for _, t in iter_tensors((a, kw))
             if (key := storage_key(t)) is not None and key not in self.preexisting
         )
 
     def leave(self, module: nn.Module, a: Any, kw: Any, out: Any) -> None:
-        path = self.stack.pop()
-        self.calls[path].outputs = tuple(tensor_infos(out, "out"))
-        self.mark("end", path)
+        call = self.stack.pop()
+        call.outputs = tuple(tensor_infos(out, "out"))
+        self.mark("end", call)
         self.progress.step()
         keys = (storage_key(t) for _, t in iter_tensors(out))
-        self.rec.output_keys[path].update(k for k in keys if k is not None)
+        self.rec.output_keys[call].update(k for k in keys if k is not None)
         needs_grad = [t for _, t in iter_tensors(out) if t.requires_grad]
         if needs_grad:
             self.grad_hooks.append(
                 torch.autograd.graph.register_multi_grad_hook(
-                    needs_grad, lambda _g, p=path: self.mark("backward", p), mode="any"
+                    needs_grad, lambda _g, c=call: self.mark("backward", c), mode="any"
                 )
             )
 
@@ -356,44 +353,23 @@ class _Recorder:
         self.mark("loss", self.root)
 
     def finish(self) -> Recording:
-        """The recording, its tree the root's call, each call named as a profile names it."""
+        """The recording, each call named as a profile names it: ``path@k`` when its module
+        ran several times, its path when once."""
         self.mark("done", self.root)
-        names: dict[str, str] = {}
-        for key, call in self.calls.items():
+        for call in self.calls:
             call.calls = self.count[id(call.module)]
             if call.calls == 1:
-                names[key] = call.path = call.module_path
-                call.call = None
-        self.rec.tree = self.calls[self.root]
-        return _name_calls(self.rec, names)
+                call.path, call.call = call.module_path, None
+        return self.rec
 
 
-def _name_calls(rec: Recording, names: dict[str, str]) -> Recording:
-    """``rec`` with every node named ``old`` in ``names`` named ``names[old]`` instead."""
-
-    def rekey(d: Any) -> Any:
-        out = copy.copy(d)
-        out.clear()
-        out.update((names.get(k, k), v) for k, v in d.items())
-        return out
-
-    rec.events = [(kind, names.get(p, p), peak, now) for kind, p, peak, now in rec.events]
-    for name in (
-        "own_saved", "own_ops", "input_keys", "output_keys", "last_save", "unpacked", "cast_reads"
-    ):  # fmt: skip
-        setattr(rec, name, rekey(getattr(rec, name)))
-    rec.unpack_events = {names.get(p, p): i for p, i in rec.unpack_events.items()}
-    rec.cast_unpacks = {(names.get(p, p), k): i for (p, k), i in rec.cast_unpacks.items()}
-    for reads in rec.cast_reads.values():
-        reads.update((k, (size, names.get(p, p))) for k, (size, p) in reads.items())
-    rec.savers = {
-        k: (size, {names.get(p, p) for p in who}) for k, (size, who) in rec.savers.items()
-    }
-    for who in rec.kept_savers.values():
-        renamed = {names.get(p, p) for p in who}
-        who.clear()
-        who.update(renamed)
-    return rec
+def _call_of(node: Node, k: int, inputs: tuple[TensorInfo, ...] = ()) -> Node:
+    """A node for the ``k``-th call of ``node``'s module (named ``path@k`` until the step is
+    done), with no children yet."""
+    return dataclasses.replace(
+        node, path=call_entry(node.path, k), children=[], call=k, calls=0, inputs=inputs,
+        outputs=(),
+    )  # fmt: skip
 
 
 def record_step(

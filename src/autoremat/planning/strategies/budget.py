@@ -59,10 +59,11 @@ def _check(request: Request) -> Request:
 
 
 def lowest(prof: Profile, request: Request, root: Item | None = None) -> int:
-    """The lowest budget, in bytes, that a plan for ``prof`` meets (headroom included)."""
+    """The lowest budget, in bytes, that a plan for ``prof`` meets (headroom included; never
+    above the peak without recompute, which the empty plan meets)."""
     if root is None:
         root = planning_tree(prof, request.selective, None, request.objective)
-    return min_peak(root, prof.backward_points, prof.forward_points) + HEADROOM
+    return min(min_peak(root, prof.backward_points, prof.forward_points) + HEADROOM, prof.peak)
 
 
 def _choose(prof: Profile, request: Request) -> dict[str, Any]:
@@ -87,6 +88,7 @@ def _choose(prof: Profile, request: Request) -> dict[str, Any]:
         "selective": {c.path: WAYS[c.way] for c in choices if c.way in WAYS},
         "left_out": skipped,
         "warnings": {kind: text for kind, text in warnings.items() if text},
+        "device": prof.device,
         "calls": {
             path: len(prof.calls_of(path))
             for c in choices
