@@ -82,7 +82,10 @@ def test_printing_shows_indented_paths_and_shapes():
     plan = autoremat.plan(Net(), (torch.randn(5, 8),), segments=1)
     assert plan.modules == ("blocks.0", "blocks.1")
     shown = str(plan)
-    assert shown.startswith("Plan for Net (levels, segments=1): recompute 2 modules")
+    assert shown.startswith(
+        "Plan for Net (levels, segments=1: the first level with more than 1 split points): "
+        "recompute 2 modules"
+    )
     assert "\n*   blocks.0: Sequential" in shown and "\n    head: Linear" in shown
 
 
