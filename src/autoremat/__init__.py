@@ -7,15 +7,16 @@ The pipeline is ``model -> tree -> profile -> plan -> wrapped model``::
     plan = autoremat.plan(model, args, kwargs, budget="50%")   # or segments=3
     plan.apply(model)                                  # wraps plan.modules in place
     autoremat.remove(model)                            # gives the original model back
-    autoremat.measure(model, args, kwargs)             # peak, saved, FLOPs, seconds of a step
+    autoremat.measure(model, args, kwargs)             # peak, held, FLOPs, seconds of a step
     autoremat.profile(model, args, kwargs)             # per-module costs on the tree
     autoremat.fit(model, make_inputs, device_memory="24GiB")   # the largest batch that fits
 
-Where things live: ``tree`` (claim 1), ``costs/`` (recording a step and the cost model),
-``solver`` and ``planning_tree`` (the budget solver and its input), ``strategies/`` (one file
-per strategy), ``plans`` (the Plan and its JSON), ``planner`` (``plan()``), ``wrap`` (claim 4)
-and ``replay`` (what a recompute sees), ``measurement`` (``measure()``), ``compiled``
-(``torch.compile``d models).
+Where things live: the package's folders are the pipeline's stages, in the order data flows
+(each imports only from those before it): ``core`` (shared helpers), ``record`` (running the
+model and watching it: the tree of claim 1, the recorded step, ``measure()``), ``costs`` (the
+cost model, ``profile()``), ``wrap`` (claim 4), ``planning`` (the solver, the strategies, the
+Plan, ``plan()``), ``training`` (the whole step's memory, ``fit()``), ``comparison``,
+``examples``, ``cli``. ``docs/architecture.md`` maps every file.
 """
 
 from autoremat.costs.profile import NodeCost, Profile, WayCost, profile

@@ -1,14 +1,14 @@
-"""Claim 4: wrap each chosen module so its activations are recomputed in backward.
+"""Claim 4: the wrapped classes, whose forward recomputes the module in backward.
 
 The wrapping follows the claim: a class that inherits ``torch.nn.Module`` (:class:`Checkpointed`)
 whose ``forward`` calls :func:`torch.utils.checkpoint.checkpoint` with a wrapper function that
 calls the split point's own ``forward``.
 
-To keep every name, ``state_dict`` key and hook of the user's model, the module is not moved into
-a wrapper object: its class is swapped for a subclass made of :class:`Checkpointed` and the
-module's own class (``CheckpointedLinear`` for a ``Linear``). The object, its parameters, buffers
-and place in the model stay the same; :func:`remove` swaps the original class back. A plan entry
-``path[i:j]`` (children ``i..j-1`` of a plain ``nn.Sequential``, recomputed as one) swaps the
+To keep every name, ``state_dict`` key and hook of the user's model, the module is not moved into a
+wrapper object: its class is swapped for a subclass made of :class:`Checkpointed` and the module's
+own class (``CheckpointedLinear`` for a ``Linear``). The object, its parameters, buffers and place
+in the model stay the same; :func:`~autoremat.wrap.remove` swaps the original class back. A plan
+entry ``path[i:j]`` (children ``i..j-1`` of a plain ``nn.Sequential``, recomputed as one) swaps the
 Sequential's class for one made of :class:`CheckpointedRuns` in the same way.
 
 What the wrapped ``forward`` guarantees beyond ``checkpoint`` itself:
@@ -32,14 +32,14 @@ What the wrapped ``forward`` guarantees beyond ``checkpoint`` itself:
 Saving and copying a wrapped model:
 
 * ``pickle.dumps(model)`` and ``torch.save(model)`` (of the model or any module in it) save
-  the model as it was before :func:`apply`: the modules' own classes, without autoremat's
-  attributes or its ``use_cache`` hook (:func:`autoremat.core.classes.reduce_as_plain`). Loading
-  needs no autoremat and gives the plain model (apply the plan again to wrap it).
-  ``state_dict()`` keys are those of the unwrapped model, so ``torch.save(model.state_dict())``
-  and ``load_state_dict`` work either way.
+  the model as it was before :func:`~autoremat.wrap.apply`: the modules' own classes, without
+  autoremat's attributes or its ``use_cache`` hook (:func:`autoremat.core.classes.reduce_as_plain`).
+  Loading needs no autoremat and gives the plain model (apply the plan again to wrap it).
+  ``state_dict()`` keys are those of the unwrapped model, so ``torch.save(model.state_dict())`` and
+  ``load_state_dict`` work either way.
 * ``copy.deepcopy(model)`` (and ``copy.copy`` of a wrapped module) gives a *wrapped* copy: same
   entries, same selective ops, same hook, ready to train (an EMA or teacher copy behaves as the
-  original). :func:`remove` on the copy undoes all of it on the copy only.
+  original). :func:`~autoremat.wrap.remove` on the copy undoes all of it on the copy only.
 * ``save_pretrained`` of a wrapped module that has one (a wrapped Hugging Face root, plan entry
   ``""``) runs with the module's own class for the duration of the call, so ``config.json``
   names the original architecture (``GPT2LMHeadModel``, not ``CheckpointedGPT2LMHeadModel``).
@@ -85,7 +85,7 @@ CONTEXT_ATTR = f"{ATTR_PREFIX}context_fn"
 
 
 class Wrapped(nn.Module):
-    """Base of the two mixins :func:`apply` puts in front of a module's own class.
+    """Base of the two mixins :func:`~autoremat.wrap.apply` puts in front of a module's own class.
 
     A wrapped module pickles as its own class without autoremat's attributes and hooks, and
     copies (``copy.copy``, ``copy.deepcopy``) as a wrapped module (module docstring)."""
@@ -93,20 +93,20 @@ class Wrapped(nn.Module):
     _autoremat_base: type[nn.Module]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A class :func:`apply` makes (``Checkpointed<Base>``, with :data:`BASE_ATTR` in its
-        body) skips the ``__init_subclass__`` of the classes after this one in its MRO, the
-        base's: a base that registers its subclasses (a plugin registry, Hugging Face's
-        ``Cache`` layers) never sees autoremat's class, one that refuses subclasses does not
-        stop the wrap, and ``GradientCheckpointingLayer`` does not wrap our ``forward`` in its
-        own. Every other subclass (``FSDP<Class>`` made by ``fully_shard`` on top of ours)
-        runs them as usual. A metaclass's ``__new__``/``__init__`` still runs."""
+        """A class :func:`~autoremat.wrap.apply` makes (``Checkpointed<Base>``, with
+        :data:`BASE_ATTR` in its body) skips the ``__init_subclass__`` of the classes after this one
+        in its MRO, the base's: a base that registers its subclasses (a plugin registry, Hugging
+        Face's ``Cache`` layers) never sees autoremat's class, one that refuses subclasses does not
+        stop the wrap, and ``GradientCheckpointingLayer`` does not wrap our ``forward`` in its own.
+        Every other subclass (``FSDP<Class>`` made by ``fully_shard`` on top of ours) runs them as
+        usual. A metaclass's ``__new__``/``__init__`` still runs."""
         if BASE_ATTR in cls.__dict__:
             return
         super().__init_subclass__(**kwargs)
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        """The module as it was before :func:`apply`, for ``pickle`` and ``torch.save``
-        (:func:`autoremat.core.classes.reduce_as_plain`)."""
+        """The module as it was before :func:`~autoremat.wrap.apply`, for ``pickle`` and
+        ``torch.save`` (:func:`autoremat.core.classes.reduce_as_plain`)."""
         return reduce_as_plain(self, protocol)
 
     def __copy__(self) -> nn.Module:
@@ -119,7 +119,7 @@ class Wrapped(nn.Module):
 
 
 class Checkpointed(Wrapped):
-    """Mixin placed in front of a module's own class by :func:`apply` (claim 4).
+    """Mixin placed in front of a module's own class by :func:`~autoremat.wrap.apply` (claim 4).
 
     ``forward`` runs the module's own ``forward`` through ``torch.utils.checkpoint.checkpoint``
     when gradients are enabled, and directly otherwise (nothing would be stored for backward).
@@ -146,10 +146,10 @@ class Checkpointed(Wrapped):
 
 
 class CheckpointedRuns(Wrapped):
-    """Mixin placed in front of a plain ``nn.Sequential`` by :func:`apply` for plan entries
-    ``path[i:j]``: each run ``[i:j)`` of its children is recomputed as one, through
-    ``torch.utils.checkpoint.checkpoint`` with a wrapper function that calls the run's own
-    forwards in turn. The other children run as usual."""
+    """Mixin placed in front of a plain ``nn.Sequential`` by :func:`~autoremat.wrap.apply` for plan
+    entries ``path[i:j]``: each run ``[i:j)`` of its children is recomputed as one, through
+    ``torch.utils.checkpoint.checkpoint`` with a wrapper function that calls the run's own forwards
+    in turn. The other children run as usual."""
 
     def forward(self, input: Any) -> Any:
         children = [m for m in self._modules.values() if m is not None]
@@ -188,8 +188,9 @@ def _checkpoint(
     context_fn: Any = None,
 ) -> Any:
     """``checkpoint(fn, *args, **kwargs)``, non-reentrant, with the recompute guarded; with
-    ``context_fn`` (:func:`autoremat.core.selective.context_fn`, made once by :func:`apply`),
-    selective: the outputs of its ops are kept, the rest recomputed."""
+    ``context_fn`` (:func:`autoremat.core.selective.context_fn`, made once by
+    :func:`~autoremat.wrap.apply`), selective: the outputs of its ops are kept, the rest
+    recomputed."""
     extra: dict[str, Any] = {}
     if context_fn is not None:
         extra["context_fn"] = context_fn
@@ -251,8 +252,8 @@ def _save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def wrapped_paths(model: nn.Module) -> tuple[str, ...]:
-    """The plan entries :func:`apply` wrapped in ``model``, in ``named_modules`` order: module
-    paths, and ``path[i:j]`` for runs of a Sequential's children."""
+    """The plan entries :func:`~autoremat.wrap.apply` wrapped in ``model``, in ``named_modules``
+    order: module paths, and ``path[i:j]`` for runs of a Sequential's children."""
     found: list[str] = []
     for p, m in model.named_modules():
         chosen = chosen_calls(m)
@@ -266,8 +267,8 @@ def wrapped_paths(model: nn.Module) -> tuple[str, ...]:
 
 
 def selective_paths(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """The entries :func:`apply` wrapped selectively (modules, calls ``path@k``), with the
-    ops whose outputs they keep."""
+    """The entries :func:`~autoremat.wrap.apply` wrapped selectively (modules, calls ``path@k``),
+    with the ops whose outputs they keep."""
     found: dict[str, tuple[str, ...]] = {}
     for p, m in model.named_modules():
         if not isinstance(m, Checkpointed):
