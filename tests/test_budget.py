@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import autoremat
+from autoremat.core.entries import parse_run
 from autoremat.core.sizes import parse_budget
 from autoremat.examples import EXAMPLES
 from autoremat.planning import solver as budget_mod
@@ -948,3 +950,33 @@ def test_lowest_budget_is_the_one_the_infeasible_error_states_and_it_plans():
         autoremat.plan(model, args, kwargs, budget=int(lowest * 0.97), objective="flops")
     with pytest.raises(ValueError, match="objective must be one of"):
         autoremat.lowest_budget(model, args, kwargs, objective="speed")
+
+
+def _named_blocks() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """Sequentials built from OrderedDicts (torchvision's DenseNet and RegNet, timm's LeViT):
+    their children have names, not indices."""
+
+    def block() -> nn.Sequential:
+        parts = {"fc": nn.Linear(64, 256), "act": nn.GELU(), "proj": nn.Linear(256, 64)}
+        return nn.Sequential(OrderedDict(**parts, drop=nn.Dropout(0.1)))
+
+    torch.manual_seed(0)
+    features = nn.Sequential(OrderedDict((f"layer{k}", block()) for k in range(4)))
+    model = nn.Sequential(OrderedDict(stem=nn.Linear(32, 64), features=features))
+    return model.train(), (torch.randn(256, 32),)
+
+
+@pytest.mark.parametrize("objective", ["time", "flops"])
+@pytest.mark.parametrize("selective", [True, False])
+def test_runs_of_named_children_plan_apply_and_train_exactly(objective: str, selective: bool):
+    """A run entry counts children by position whatever their names: plans with runs of a
+    Sequential of named children are made (before: ``KeyError: no node 'features.0'``), hold
+    their budget when applied and train exactly, the runs recomputed."""
+    model, args = _named_blocks()
+    plan = autoremat.plan(model, args, budget=0.5, objective=objective, selective=selective)
+    runs = [e for e in plan.modules if parse_run(e) is not None]
+    assert runs, plan.modules
+    wrapped = plan.apply(copy.deepcopy(model))
+    assert autoremat.measure(wrapped, args).peak <= plan.budget
+    assert_same_step(copy.deepcopy(model), wrapped, args, {})
+    assert all(c.seconds is not None for c in plan.choices)

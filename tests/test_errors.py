@@ -13,6 +13,7 @@ from torch import nn
 import autoremat
 from autoremat.planning.plan import plan_from_profile
 from autoremat.planning.plans import Plan
+from autoremat.record.recording import SelfCheckpointingError
 from autoremat.wrap.checkpointed import wrapped_paths
 
 
@@ -234,3 +235,30 @@ def test_the_library_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     autoremat.remove(model)
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
+
+
+class ChecksItself(nn.Module):
+    """Calls ``torch.utils.checkpoint`` in its own forward, with no switch to turn it off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(
+            *(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(2))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_a_model_that_recomputes_itself_without_a_switch_is_refused_by_name() -> None:
+    """Not a bare ``KeyError``: the error names the module recomputed in backward and the fix,
+    and the model is left as it was."""
+    model = ChecksItself()
+    before = state(model)
+    with pytest.raises(SelfCheckpointingError, match=r"module 'blocks\.1' ran its forward during"):
+        autoremat.plan(model, (x(),), budget="50%")
+    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+        autoremat.profile(model, (x(),))
+    assert_same_state(before, state(model))

@@ -31,7 +31,7 @@ from autoremat import wrap
 from autoremat.core import huggingface
 from autoremat.record.snapshot import RestoreError, all_or_nothing, preserved
 from autoremat.wrap.checkpointed import Checkpointed
-from conftest import assert_same_step
+from conftest import assert_same_step, tiny_llama
 
 
 class Boom(RuntimeError):
@@ -561,3 +561,83 @@ def test_all_or_nothing_undoes_what_its_log_recorded() -> None:
         log.set_attribute("c", model.c, "_autoremat_path", "c")
         raise Boom("half-way")
     assert type(model.b) is Stubborn and "_autoremat_path" not in vars(model.c)
+
+
+# --- the model left exactly as found: its own attributes and lazily installed hooks ----------
+
+
+class WarmUp(nn.Module):
+    """Scales its output by a warm-up factor that grows with every training forward (a plain
+    Python counter: the planner leaves the module out, and must not move the counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.steps += 1
+        return self.fc(x) * min(1.0, self.steps / 10)
+
+
+def test_planning_and_measuring_leave_python_attributes_as_found() -> None:
+    """``plan`` (several forwards), ``measure``, ``profile`` and ``fit`` leave a warm-up
+    counter where it was, so training afterwards equals training a copy never planned (before:
+    the counter moved by the planning forwards, max grad difference 7e-3)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), WarmUp(), nn.Sequential(nn.GELU(), nn.Linear(64, 1)))
+    untouched = copy.deepcopy(model)
+    x = torch.randn(256, 64)
+    autoremat.plan(model, (x,), budget=autoremat.lowest_budget(model, (x,)))
+    autoremat.plan(model, (x,), segments=2)
+    autoremat.measure(model, (x,))
+    autoremat.profile(model, (x,))
+    autoremat.fit(model, lambda b: autoremat.scale_batch((x,), {}, b), device_memory="64MiB")
+    assert model[1].steps == 0 and "steps" in vars(model[1])
+    for _ in range(2):
+        for m in (model, untouched):
+            m.zero_grad(set_to_none=True)
+            m(x).sum().backward()
+    for p, q in zip(model.parameters(), untouched.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_hooks_a_model_installs_on_its_first_forward_come_back_with_their_flag() -> None:
+    """transformers 5.x installs output-capturing hooks on a model's first forward and sets a
+    plain attribute saying so. Planning puts both back (before: the hooks were removed and the
+    flag kept, so ``output_hidden_states=True`` returned nothing from then on)."""
+    model, ids = tiny_llama()
+    autoremat.plan(model, (), {"input_ids": ids, "labels": ids}, budget="50%")
+    autoremat.measure(model, (), {"input_ids": ids, "labels": ids})
+    assert "_output_capturing_hooks_installed" not in vars(model)
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    hooked = {n for n, m in model.named_modules() if m._forward_hooks}
+    autoremat.measure(model, (), {"input_ids": ids, "labels": ids})  # hooks in place now
+    assert {n for n, m in model.named_modules() if m._forward_hooks} == hooked
+    with torch.no_grad():
+        again = model(input_ids=ids, output_hidden_states=True)
+    assert len(again.hidden_states) == len(out.hidden_states)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=3e-4, weight_decay=0.1),
+        lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    ],
+    ids=["adamw", "adam", "sgd"],
+)
+def test_an_optimizer_instance_is_sized_and_measured_like_its_name(make: Any) -> None:
+    """``optimizer=`` an instance: the same class and defaults are built on shadows (AdamW
+    records a default its own constructor does not take, ``decoupled_weight_decay``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
+    x = torch.randn(16, 8)
+    opt = make(model.parameters())
+    predicted = autoremat.predict_training(model, (x,), optimizer=opt)
+    measured = autoremat.measure_training(model, (x,), optimizer=opt)
+    assert predicted.tensors == measured.tensors

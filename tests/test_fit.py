@@ -13,6 +13,7 @@ from torch import nn
 import autoremat
 from autoremat.cli.commands import main
 from autoremat.examples import EXAMPLES
+from autoremat.planning.plan import plan_from_profile
 from autoremat.training.device_model import CUDA_CONTEXT, device_model
 from autoremat.training.optimizer_memory import optimizer_memory
 from autoremat.training.scale_batch import batch_size_of
@@ -292,3 +293,26 @@ def test_a_hugging_face_models_own_step_is_predicted_with_its_cache() -> None:
 def test_the_fit_command_names_a_malformed_device_memory(capsys: Any) -> None:
     assert main(["fit", "mlp", "--device-memory", "150%"]) == 2
     assert "--device-memory 150% is not understood" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_largest_batch_without_recompute_counts_the_cache_a_plain_model_fills() -> None:
+    """A Hugging Face decoder trained untouched fills its key/value cache (every applied plan
+    turns it off): the batch ``fit`` says trains without recompute is sized with the cache, as
+    ``predict_training`` of the model's own step (before: without it, one batch too many)."""
+    model, args, kwargs = EXAMPLES["hf-gpt2"]()
+    found = autoremat.fit(
+        model,
+        lambda b: autoremat.scale_batch(args, kwargs, b),
+        device_memory="120MiB",
+        optimizer="sgd",
+        verify=False,
+    )
+    batch = found.largest_without_recompute
+    (without,) = [c.without for c in found.candidates if c.batch == batch]
+    at = autoremat.scale_batch(args, kwargs, batch)
+    own = autoremat.predict_training(model, *at, optimizer="sgd")
+    cache_off = plan_from_profile(model, autoremat.profile(model, *at), 1.0)
+    assert without.tensors == own.tensors
+    without_cache = autoremat.predict_training(model, *at, optimizer="sgd", plan=cache_off)
+    assert own.tensors > without_cache.tensors

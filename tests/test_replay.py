@@ -575,3 +575,45 @@ def test_budget_too_low_names_the_modules_left_out() -> None:
     model = nn.Sequential(Warm(), nn.Linear(16, 1))
     with pytest.raises(autoremat.BudgetTooLow, match=r"left out \('\(root\)', '0'"):
         autoremat.plan(model, (torch.randn(512, 16),), budget="30%")
+
+
+class DenseLayer(nn.Module):
+    """torchvision's ``_DenseLayer``: takes the list of features so far."""
+
+    def __init__(self, cin: int, growth: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(cin)
+        self.conv = nn.Conv2d(cin, growth, 3, padding=1)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        return self.conv(torch.relu(self.norm(torch.cat(features, 1))))
+
+
+class DenseBlock(nn.Module):
+    """torchvision's ``_DenseBlock``: appends each layer's output to the list it passed in."""
+
+    def __init__(self, cin: int = 4, layers: int = 3, growth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DenseLayer(cin + k * growth, growth) for k in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [x]
+        for layer in self.layers:
+            features.append(layer(features))
+        return torch.cat(features, 1)
+
+
+@pytest.mark.parametrize("how", [{"segments": 8}, {"budget": "95%"}])
+def test_a_list_its_caller_appends_to_after_the_call_is_recomputed_as_called(how) -> None:
+    """DenseNet's dense layers get the list of features their block appends to afterwards:
+    the recompute gets the list as it was at the call (before: a ``CheckpointError`` in
+    backward), so the planned model trains exactly, BatchNorm included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), DenseBlock(), nn.Flatten())
+    x = torch.randn(4, 3, 8, 8)
+    options = {"objective": "flops"} if "budget" in how else {}
+    chosen = autoremat.plan(model, (x,), **how, **options)
+    assert any(e.startswith("1.layers.") for e in chosen.modules), chosen.modules
+    reference, wrapped = copy.deepcopy(model), chosen.apply(copy.deepcopy(model))
+    assert_same_step(reference, wrapped, (x,), {})
+    assert_same_step(reference, wrapped, (x,), {})  # the statistics moved once per step

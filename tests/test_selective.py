@@ -252,7 +252,9 @@ def test_second_way_recomputes_the_batched_matmuls_and_is_priced_exactly():
     assert ways["selective"].freed == 0 and ways["selective"].flops == 0
     assert ways["selective-bmm"].freed == scores
     assert ways["selective-bmm"].flops == 2 * product
-    # (what it runs again, timed: by construction no more than the whole recompute)
+    # what it runs again: fewer FLOPs than a whole recompute, and its time (timed op by op)
+    # by construction no more than the whole recompute's (no two measured times compared)
+    assert ways["selective-bmm"].flops < cost.flops
     assert ways["selective-bmm"].op_seconds <= cost.op_seconds
     base = autoremat.measure(model, (inputs,))
     wrap.apply(model, ["0"], selective={"0": WAYS["selective-bmm"]})
@@ -437,7 +439,7 @@ def test_a_time_plan_reports_the_seconds_it_adds():
     for c in plan.choices:
         assert c.seconds == pytest.approx(way_seconds(prof, prof[c.path], c.way)), c
     assert plan.recompute_seconds == pytest.approx(sum(c.seconds for c in plan.choices))
-    assert "ms (as profiled)" in str(plan)
+    assert plan.recompute_seconds > 0 and "ms (as profiled)" in str(plan)
     with pytest.raises(ValueError, match="objective must be one of 'time', 'flops'"):
         autoremat.plan(model, args, kwargs, budget="50%", objective="speed")
 

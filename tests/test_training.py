@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import logging
+import pickle
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -532,3 +534,77 @@ def test_a_positional_input_changed_in_place_is_still_caught():
         out.sum().backward()
     where = [Path(f.filename).name for f in traceback.extract_tb(caught.value.__traceback__)]
     assert "checkpoint.py" in where, where
+
+
+# --- models that checkpoint themselves --------------------------------------------------------
+
+
+class TimmLike(nn.Module):
+    """Blocks that checkpoint themselves when ``grad_checkpointing`` is on, as timm's models do
+    after ``set_grad_checkpointing(True)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grad_checkpointing = False
+        self.blocks = nn.Sequential(*(Block(32) for _ in range(3)))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(x).float().pow(2).mean()
+
+
+def _self_checkpointing(kind: str) -> tuple[nn.Module, dict[str, Any], Any]:
+    """A model with its own activation checkpointing on, its inputs and its loss."""
+    if kind == "transformers":
+        model, ids = tiny_llama()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss
+    torch.manual_seed(0)
+    model = TimmLike().train()
+    model.grad_checkpointing = True
+    return model, {"x": torch.randn(16, 8, 32)}, lambda out: out
+
+
+def _own(model: nn.Module) -> list[str]:
+    return [p for p, m in model.named_modules() if getattr(m, "gradient_checkpointing", None)
+            is True or getattr(m, "grad_checkpointing", None) is True]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["transformers", "timm-like"])
+def test_a_model_that_checkpoints_itself_is_planned_with_it_off(kind, caplog):
+    """Its own checkpointing is off for the profile (the same profile as the plain model's, not
+    a KeyError), off while the plan is applied (one warning each time), back on after
+    ``remove`` and in a pickle (which holds the model as it was); the planned model trains as
+    the model did with its own checkpointing, every entry recomputed."""
+    model, kwargs, loss = _self_checkpointing(kind)
+    on = _own(model)
+    assert on
+    reference = copy.deepcopy(model)
+    with _switched(copy.deepcopy(model), False) as plain:
+        expected = autoremat.profile(plain, (), kwargs, loss_fn=loss)
+    with caplog.at_level(logging.WARNING, logger="autoremat"):
+        got = autoremat.profile(model, (), kwargs, loss_fn=loss)
+        plan = autoremat.plan(model, (), kwargs, loss_fn=loss, budget="60%", objective="flops")
+        plan.apply(model)
+    assert got.peak == expected.peak and _own(model) == []
+    assert sum("checkpoints itself" in r.getMessage() for r in caplog.records) >= 2
+    if kind != "transformers":  # (transformers' own switch adds a hook no pickle can hold)
+        assert _own(pickle.loads(pickle.dumps(model))) == on
+    assert _own(copy.deepcopy(model)) == []  # a copy is wrapped as the original
+    _assert_identical(reference, model, lambda m: loss(m(**kwargs)))
+    autoremat.remove(model)
+    assert _own(model) == on
+
+
+@contextlib.contextmanager
+def _switched(model: nn.Module, value: bool) -> Any:
+    for _, m in model.named_modules():
+        for name in ("gradient_checkpointing", "grad_checkpointing"):
+            if isinstance(getattr(m, name, None), bool):
+                setattr(m, name, value)
+    yield model

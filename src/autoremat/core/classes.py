@@ -37,6 +37,7 @@ except ImportError:  # torch built without distributed support
 __all__ = [
     "ATTR_PREFIX",
     "BASE_ATTR",
+    "SWITCHED_OFF_ATTR",
     "Hook",
     "copy_as_is",
     "deepcopy_as_is",
@@ -53,6 +54,9 @@ __all__ = [
 BASE_ATTR = "_autoremat_base"
 # The start of the name of every instance attribute autoremat sets on a module.
 ATTR_PREFIX = "_autoremat_"
+# The instance attribute of a module whose own checkpointing the wrap switched off: the
+# switches' names (autoremat.core.own_checkpointing), on again in a pickle and after remove.
+SWITCHED_OFF_ATTR = f"{ATTR_PREFIX}switched_off"
 # What pickle_as_plain puts on a module instance.
 _INSTANCE_METHODS = ("__reduce_ex__", "__deepcopy__")
 
@@ -94,18 +98,21 @@ def plain_class(module: nn.Module) -> type:
 
 def plain_state(module: nn.Module) -> Any:
     """The module's ``__getstate__()`` (its class's) without what autoremat added: instance
-    attributes named ``_autoremat_...``, the methods :func:`pickle_as_plain` set, and
+    attributes named ``_autoremat_...`` (and its own checkpointing switched on again where the
+    wrap switched it off), the methods :func:`pickle_as_plain` set, and
     :class:`Hook` objects in its hook dictionaries (with their entries in the dictionaries
     that share their ids, such as ``_forward_pre_hooks_with_kwargs``). The module is not
     changed; changed dictionaries are copies. A state that is not a dict is returned as is."""
     state = type(module).__getstate__(module)
     if not isinstance(state, dict):
         return state
+    switches = state.get(SWITCHED_OFF_ATTR, ())
     state = {
         k: v
         for k, v in state.items()
         if not k.startswith(ATTR_PREFIX) and k not in _INSTANCE_METHODS
     }
+    state.update(dict.fromkeys(switches, True))  # its own checkpointing, as it was
     hook_dicts = [k for k, v in state.items() if "hooks" in k and isinstance(v, dict)]
     ours = {i for k in hook_dicts for i, h in state[k].items() if isinstance(h, Hook)}
     for k in hook_dicts:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,7 @@ from torch import nn
 
 from autoremat.core.classes import is_wrapped
 from autoremat.core.nested import iter_tensors
+from autoremat.core.own_checkpointing import switched_off, turned_off_message
 from autoremat.core.selective import WAYS
 from autoremat.core.sizes import format_size
 from autoremat.costs import model as cost_model
@@ -65,6 +67,8 @@ __all__ = [
     "WayCost",
     "profile",
 ]
+
+logger = logging.getLogger(__name__)
 
 # Where nothing can be timed (the meta device): forward throughput assumed, and what a byte
 # written costs in FLOPs (a machine balance: FLOP/s over bytes/s of memory traffic, a written
@@ -265,7 +269,9 @@ def profile(
 
     Hugging Face models train without their key/value cache here, as every applied plan
     makes them (:mod:`autoremat.core.huggingface`); with ``hf_cache`` they fill it, as the model
-    does in training with no plan applied.
+    does in training with no plan applied. A model's own activation checkpointing (switched on
+    in transformers, diffusers or timm) is off for the profile, as every applied plan turns it
+    off (:mod:`autoremat.core.own_checkpointing`; one warning says so).
 
     With ``autocast`` (a dtype, or ``(device_type, dtype)`` such as ``("cuda",
     torch.bfloat16)``) the step's forward and loss run under ``torch.autocast``, and on ``meta``
@@ -291,7 +297,9 @@ def profile(
             "measure): call autoremat.remove(model) first"
         )
     autocast = autocast_spec(autocast, model) or ambient_autocast()
-    with _no_ambient_autocast():
+    with _no_ambient_autocast(), switched_off(model) as own:
+        if own:
+            logger.warning("%s", turned_off_message(type(model).__name__, own, "for the profile"))
         return _profile(model, args, kwargs, loss_fn, autocast, hf_cache)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from autoremat.core.entries import covered, parse_run
+from autoremat.core.entries import parse_run
 from autoremat.core.selective import FULL
 from autoremat.costs.profile import NodeCost, Profile
 from autoremat.planning.solver import Item
@@ -51,8 +51,11 @@ def recompute_seconds(prof: Profile, item: Item) -> float:
     """The seconds recomputing ``item`` (a node of :func:`planning_tree`, in its ``way``, or a
     run ``path[i:j]``) adds, as ``prof`` timed it (:attr:`Item.seconds` with
     ``objective="time"``)."""
-    if parse_run(item.path) is not None:
-        return sum(way_seconds(prof, prof[path], FULL) for path in covered(item.path))
+    run = parse_run(item.path)
+    if run is not None:  # the Sequential's children i..j-1, named by index or not
+        parent, i, j = run
+        (node,) = (n for n in prof.tree.walk() if n.path == parent)
+        return sum(way_seconds(prof, prof[c.path], FULL) for c in node.children[i:j])
     return way_seconds(prof, prof[item.path], item.way)
 
 

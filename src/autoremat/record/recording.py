@@ -33,7 +33,16 @@ from autoremat.record.snapshot import preserved
 from autoremat.record.step import Autocast, LossFn, leaf_inputs, train_step
 from autoremat.record.tree import Node, TensorInfo, tensor_infos
 
-__all__ = ["Event", "Kept", "OpCosts", "OwnOps", "Recording", "lineage", "record_step"]
+__all__ = [
+    "Event",
+    "Kept",
+    "OpCosts",
+    "OwnOps",
+    "Recording",
+    "SelfCheckpointingError",
+    "lineage",
+    "record_step",
+]
 
 # (kind, node, peak since the previous event, live bytes now); kind is "start" or "end" of a
 # module's forward, "backward" when its backward began, "unpack" when backward first used what
@@ -314,6 +323,8 @@ class _Recorder:
         grad_fn.register_hook(ran)
 
     def enter(self, module: nn.Module, a: Any, kw: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a forward during backward: recomputed
+            raise SelfCheckpointingError(_recomputes_itself(self.modules[id(module)].path))
         k = self.count[id(module)]
         self.count[id(module)] += 1
         inputs = tuple(tensor_infos(a, "args") + tensor_infos(kw, "kwargs"))
@@ -361,6 +372,22 @@ class _Recorder:
             if call.calls == 1:
                 call.path, call.call = call.module_path, None
         return self.rec
+
+
+class SelfCheckpointingError(ValueError):
+    """The model recomputes a module itself, in backward, with no switch autoremat knows (its
+    own call of ``torch.utils.checkpoint``): it cannot be profiled as it stands."""
+
+
+def _recomputes_itself(path: str) -> str:
+    return (
+        f"module {path or '(root)'!r} ran its forward during backward: the model recomputes it "
+        f"itself (its own activation checkpointing, a torch.utils.checkpoint call in a forward) "
+        f"with no switch autoremat knows, so its step cannot be profiled. Turn the model's own "
+        f"checkpointing off before planning (autoremat's plan replaces it): transformers "
+        f"model.gradient_checkpointing_disable(), diffusers disable_gradient_checkpointing(), "
+        f"timm set_grad_checkpointing(False), or a flag of your own code"
+    )
 
 
 def _call_of(node: Node, k: int, inputs: tuple[TensorInfo, ...] = ()) -> Node:

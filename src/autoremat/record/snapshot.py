@@ -31,11 +31,18 @@ What :func:`preserved` puts back, for every module the model held on entry:
   initialised CUDA, its generators are reseeded with their initial seed, as fresh ones), Python's
   ``random`` and NumPy's global generator (when NumPy is imported).
 
-Not put back: plain Python attributes a forward sets (a step counter, a cached tensor), objects
-outside the modules, torch's global module hooks, other accelerators' generators. Left as the
-body made them: a lazy module (``nn.LazyLinear``) not initialised on entry stays initialised; the
-parameter slots and parameters of modules managed by FSDP (``fully_shard``,
-``FullyShardedDataParallel``), which swaps them between sharded and unsharded forms itself.
+* **Attributes**: every other entry of each module's ``__dict__`` (its plain Python
+  attributes), as the same objects: an attribute a forward added is removed, one it rebound (a
+  step counter ``self.step += 1``, a cached tensor, a flag saying hooks were installed, as
+  transformers sets with the hooks it adds on a first forward) gets its object back, together
+  with the hook dictionaries it describes. Shallow: an object changed in place (a list appended
+  to, an attribute of a config object) stays changed.
+
+Not put back: objects outside the modules, torch's global module hooks, other accelerators'
+generators. Left as the body made them: a lazy module (``nn.LazyLinear``) not initialised on
+entry stays initialised; the parameter slots, parameters and attributes of modules managed by
+FSDP (``fully_shard``, ``FullyShardedDataParallel``), which swaps them between sharded and
+unsharded forms itself.
 
 When putting one part back fails, every other part is still put back; then :class:`RestoreError`
 names each part that failed, chained to the body's exception when the body raised.
@@ -57,7 +64,7 @@ from torch.nn.parameter import is_lazy
 from autoremat.core.host_rng import get_host_rng, set_host_rng
 from autoremat.core.nested import version_of
 
-__all__ = ["RestoreError", "UndoLog", "all_or_nothing", "preserved"]
+__all__ = ["RestoreError", "UndoLog", "all_or_nothing", "modules_kept", "preserved"]
 
 # What nn.Module.__init__ sets on every module: parameters, buffers, submodules, hook
 # dictionaries, the training flag.
@@ -88,6 +95,28 @@ def preserved(model: nn.Module, inputs: Sequence[torch.Tensor] = ()) -> Iterator
         snapshot.restore(exc)
         raise
     snapshot.restore(None)
+
+
+@contextlib.contextmanager
+def modules_kept(model: nn.Module) -> Iterator[None]:
+    """Run the body, then put back every module of ``model`` as a structure: its class,
+    attributes, hooks, submodule, parameter and buffer slots (the objects, not their values:
+    for a body that changes values itself and puts them back, as real optimizer steps in
+    :func:`autoremat.measure_training`), also when the body raises.
+
+    Raises:
+        RestoreError: a module could not be put back (all the others were).
+    """
+    states = [
+        _ModuleState(p, m, attributes=True, parameters=True) for p, m in model.named_modules()
+    ]
+    try:
+        yield
+    finally:
+        failures = _Failures()
+        for state in states:
+            failures.attempt(f"module {state.path or '(root)'!r}", state.restore)
+        failures.check(None)
 
 
 @contextlib.contextmanager
@@ -385,7 +414,7 @@ class _Snapshot:
             if _uninitialized(m):
                 continue
             own = id(m) not in managed
-            self.modules.append(_ModuleState(path, m, attributes=False, parameters=own))
+            self.modules.append(_ModuleState(path, m, attributes=own, parameters=own))
             slots = [(n, t, False) for n, t in m._parameters.items() if own]
             slots += [(n, t, True) for n, t in m._buffers.items()]
             for name, t, copy in slots:

@@ -178,8 +178,8 @@ def build_tree(
     This is claim 1 of the method: extraction of the computation modules and creation of the
     multi-way tree. The forward pass runs without gradients and the model is left exactly as it
     was found (buffers such as BatchNorm statistics, training mode, gradients, the global RNG
-    state; see :func:`autoremat.record.snapshot.preserved`; Python attributes a forward changes are
-    not put back). ``args`` may be a single tensor. The same run finds what a recompute of each
+    state, the modules' Python attributes; see :func:`autoremat.record.snapshot.preserved`).
+    ``args`` may be a single tensor. The same run finds what a recompute of each
     module could not replay (``Node.replay_reason`` and ``inplace_reason``;
     :mod:`autoremat.record.side_effects`: about three look-ups of each module's attributes, no
     tensor copied, each module's tensor arguments held until its caller returns). When that

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autoremat.core.devices import model_device
+from autoremat.core.huggingface import cache_modules
 from autoremat.core.progress import Progress
 from autoremat.core.sizes import format_size
 from autoremat.costs.profile import Profile, profile
@@ -155,7 +156,8 @@ def step_seconds(prof: Profile, plan: Plan | None) -> float:
 @dataclass(frozen=True)
 class _Probe:
     """One batch size profiled on ``meta``: its inputs, profile, and the whole step's memory
-    at the lowest budget and without recompute."""
+    at the lowest budget and without recompute (the model's own step: a Hugging Face model
+    fills its key/value cache then, as no applied plan lets it)."""
 
     batch: int
     inputs: tuple[Any, dict[str, Any]]
@@ -174,6 +176,7 @@ class _Prober:
         self.make_inputs, self.opt, self.dm = make_inputs, opt, dm
         self.loss_fn, self.selective, self.autocast = loss_fn, selective, autocast
         self.seen: dict[int, _Probe] = {}
+        self.caches = bool(cache_modules(self.shadow))  # a Hugging Face model's
         self.progress = Progress("fitting", 40, "batch sizes profiled on meta")
 
     def probe(self, batch: int) -> _Probe:
@@ -181,13 +184,17 @@ class _Prober:
             with torch.device("meta"):
                 args, kwargs = self.make_inputs(batch)
             args, kwargs = tree_map(_on_meta, (args, kwargs))
-            prof = profile(self.shadow, args, kwargs, loss_fn=self.loss_fn, autocast=self.autocast)
+            how = {"loss_fn": self.loss_fn, "autocast": self.autocast}
+            prof = profile(self.shadow, args, kwargs, **how)  # type: ignore[arg-type]
             low = profile_lowest(prof, selective=self.selective)
+            own = prof.peak
+            if self.caches:  # the model's own step fills its cache
+                own = profile(self.shadow, args, kwargs, hf_cache=True, **how).peak  # type: ignore[arg-type]
             parts = (self.shadow, (args, kwargs))
             self.seen[batch] = _Probe(
                 batch, (args, kwargs), prof,
                 step_memory(*parts, low, self.opt, self.dm),
-                step_memory(*parts, prof.peak, self.opt, self.dm),
+                step_memory(*parts, own, self.opt, self.dm),
             )  # fmt: skip
             self.progress.step(f"batch {batch}")
         return self.seen[batch]

@@ -10,8 +10,9 @@ used memory (``torch.cuda.mem_get_info``), what an out-of-memory error and ``nvi
 about.
 
 The model is put back afterwards: parameters and buffers get their values back (from a copy
-held on the host meanwhile), each parameter's ``.grad`` its tensor (or ``None``), and the
-global RNG state is restored.
+held on the host meanwhile), each parameter's ``.grad`` its tensor (or ``None``), each module
+its attributes and hooks (:func:`autoremat.record.snapshot.modules_kept`), and the global RNG
+state is restored.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 from autoremat.core.nested import tensor_bytes
 from autoremat.core.sizes import format_size
 from autoremat.record.memory import LiveMemory
+from autoremat.record.snapshot import modules_kept
 from autoremat.record.step import Autocast, LossFn, StepHow, autocast_spec, default_loss, train_step
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_factory
 
@@ -77,7 +79,7 @@ def measure_training(
     loss_fn = default_loss if loss_fn is None else loss_fn
     saved = _Saved(model)
     try:
-        with torch.random.fork_rng(devices=_cuda_devices(model)):
+        with torch.random.fork_rng(devices=_cuda_devices(model)), modules_kept(model):
             how: StepHow = (loss_fn, autocast_spec(autocast, model))
             return _run(model, args, kwargs or {}, make, how, steps)
     finally:

@@ -11,6 +11,7 @@ most its second step adds on top (the temporaries of a ``foreach`` implementatio
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -68,9 +69,19 @@ def optimizer_factory(optimizer: OptimizerLike) -> Callable[[Iterable[torch.Tens
             )
         return OPTIMIZERS[optimizer.lower()]
     if isinstance(optimizer, torch.optim.Optimizer):
-        cls, defaults = type(optimizer), dict(optimizer.defaults)
+        cls, defaults = type(optimizer), _accepted(type(optimizer), dict(optimizer.defaults))
         return lambda params: cls(params, **defaults)
     return optimizer
+
+
+def _accepted(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The ``defaults`` that ``cls.__init__`` takes by name: an optimizer may record defaults
+    its own constructor fixes (``AdamW`` records ``decoupled_weight_decay``, which only
+    ``Adam`` takes)."""
+    params = inspect.signature(cls).parameters  # the constructor's, without self
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return defaults
+    return {k: v for k, v in defaults.items() if k in params}
 
 
 def optimizer_memory(model: nn.Module, optimizer: OptimizerLike) -> OptimizerMemory:

@@ -19,6 +19,9 @@ back:
 * **Python's** ``random`` **and NumPy's global generator** (when NumPy is imported): set to
   their state at the forward's start for the recompute, then to their present state again, so
   a random-depth knob draws the same and the training loop's own draws are untouched.
+* **Containers among the inputs**: the lists and dicts a call received (DenseNet's dense
+  layers receive the list of features their block appends to after the call), as they were
+  when it began: the recompute gets copies made of their items then.
 * **Inputs**: a tensor reachable from the inputs (a key/value cache object, keyword arguments)
   changed in place between the forward and the recompute raises a
   :class:`~torch.utils.checkpoint.CheckpointError` naming the module; so does a forward that
@@ -96,6 +99,7 @@ class CheckpointedCall:
 
     __slots__ = (
         "before",
+        "containers",
         "cursor",
         "decisions",
         "first",
@@ -110,6 +114,7 @@ class CheckpointedCall:
         self.label = label
         self.owners = owners
         self.first = True
+        self.containers: Containers = {}  # the lists and dicts of its inputs, as called
         self.signature: Signature = []
         self.before: Buffers = {}  # pre-forward values of the buffers the forward changed
         self.host_rng: HostRng = (None, None)
@@ -132,6 +137,7 @@ class CheckpointedCall:
 
     def _forward(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.first = False
+        self.containers = _containers((args, kwargs), {})
         self.signature = _state_signature(args, kwargs)
         versions = _positional_versions(args)
         self.host_rng = get_host_rng()
@@ -145,6 +151,7 @@ class CheckpointedCall:
         return out
 
     def _recompute(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        args, kwargs = _as_called((args, kwargs), self.containers)
         now = _state_signature(args, kwargs)
         if now != self.signature:
             raise CheckpointError(self._changed_message(now))
@@ -186,6 +193,37 @@ class CheckpointedCall:
             f"inputs in place (for a Hugging Face model, call it with use_cache=False and no "
             f"cache object), or leave {path!r} out of the plan."
         )
+
+
+# id of a list or dict among a call's inputs -> a shallow copy of it as the call began
+Containers = dict[int, Any]
+
+
+def _containers(value: Any, found: Containers) -> Containers:
+    """A shallow copy of each list and dict (of those exact types) nested in ``value``
+    (through tuples, lists and dicts), by the id of the original, as it is now."""
+    if type(value) in (list, dict) and id(value) not in found:
+        found[id(value)] = list(value) if type(value) is list else dict(value)
+        for item in value if type(value) is list else value.values():
+            _containers(item, found)
+    elif type(value) is tuple:
+        for item in value:
+            _containers(item, found)
+    return found
+
+
+def _as_called(value: Any, found: Containers) -> Any:
+    """``value`` with each list and dict of ``found`` (by id) made again from its items as the
+    call began: a caller that appends to a list after the call (DenseNet's features) does not
+    change what the recompute computes."""
+    if type(value) in (list, dict) and id(value) in found:
+        items = found[id(value)]
+        if type(items) is list:
+            return [_as_called(v, found) for v in items]
+        return {k: _as_called(v, found) for k, v in items.items()}
+    if type(value) is tuple:
+        return tuple(_as_called(v, found) for v in value)
+    return value
 
 
 def _buffers(owners: list[nn.Module]) -> Buffers:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,10 +12,17 @@ import torch
 from torch import nn
 
 from autoremat.core import huggingface, selective
-from autoremat.core.classes import BASE_ATTR, is_wrapped
+from autoremat.core.classes import (
+    BASE_ATTR,
+    SWITCHED_OFF_ATTR,
+    is_wrapped,
+    pickle_as_plain,
+    stop_pickling_as_plain,
+)
 from autoremat.core.entries import first_nested, module_of, parse_call, parse_run
+from autoremat.core.own_checkpointing import switched_on, turned_off_message
 from autoremat.core.selective import context_fn as selective_context
-from autoremat.record.snapshot import all_or_nothing
+from autoremat.record.snapshot import UndoLog, all_or_nothing
 from autoremat.wrap.calls import ATTR as CALLS_ATTR
 from autoremat.wrap.calls import ChosenCalls, add_new_step_hook, remove_new_step_hooks
 from autoremat.wrap.checkpointed import (
@@ -29,6 +37,8 @@ from autoremat.wrap.checkpointed import (
 )
 
 __all__ = ["Change", "apply", "remove", "unwrappable_reason"]
+
+logger = logging.getLogger(__name__)
 
 # one module to wrap: (path, module, its wrapped class, autoremat's instance attributes)
 Change = tuple[str, nn.Module, type, dict[str, Any]]
@@ -108,6 +118,35 @@ def _make(model: nn.Module, chosen: list[str], changes: list[Change]) -> None:
             add_new_step_hook(model)
         log.keep(huggingface.cache_modules(model))
         huggingface.turn_cache_off_in_training(model)
+        _switch_off_own_checkpointing(model, log)
+
+
+def _switch_off_own_checkpointing(model: nn.Module, log: UndoLog) -> None:
+    """Turn the model's own activation checkpointing off (the plan's recompute replaces it),
+    each module remembering its switches for :func:`remove`; one warning says so."""
+    found = switched_on(model)
+    log.keep(dict.fromkeys((path, m) for path, m, _ in found))
+    for path, m, name in found:
+        log.set_attribute(path, m, name, False)
+        switches = (*m.__dict__.get(SWITCHED_OFF_ATTR, ()), name)
+        log.set_attribute(path, m, SWITCHED_OFF_ATTR, switches)
+        pickle_as_plain(m)  # a pickle holds the model as it was: its checkpointing on
+    if found:
+        how = "while the plan is applied (autoremat.remove turns it back on)"
+        paths = [p for p, _, _ in found]
+        logger.warning("%s", turned_off_message(type(model).__name__, paths, how))
+
+
+def _switch_own_checkpointing_back_on(model: nn.Module, log: UndoLog) -> None:
+    """Undo :func:`_switch_off_own_checkpointing`."""
+    for path, m in model.named_modules():
+        if SWITCHED_OFF_ATTR not in m.__dict__:
+            continue
+        log.keep([(path, m)])
+        for name in m.__dict__[SWITCHED_OFF_ATTR]:
+            log.set_attribute(path, m, name, True)
+        log.set_attribute(path, m, SWITCHED_OFF_ATTR)
+        stop_pickling_as_plain(m)
 
 
 def _changes(
@@ -272,6 +311,7 @@ def remove(model: nn.Module) -> nn.Module:
                 for name in (PATH_ATTR, RUNS_ATTR, CONTEXT_ATTR, CALLS_ATTR):
                     if name in m.__dict__:
                         log.set_attribute(path, m, name)
+        _switch_own_checkpointing_back_on(model, log)
         log.keep([("", model)])
         remove_new_step_hooks(model)
         log.keep(huggingface.cache_modules(model))

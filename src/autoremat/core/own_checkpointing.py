@@ -1,0 +1,62 @@
+"""A model's own activation checkpointing, as the libraries switch it on.
+
+transformers (``gradient_checkpointing_enable()``), diffusers (``enable_gradient_checkpointing()``)
+and timm (``set_grad_checkpointing(True)``) each set a plain boolean attribute on the modules
+that then checkpoint their blocks: ``gradient_checkpointing`` (transformers, diffusers) or
+``grad_checkpointing`` (timm). A model planned with it on would recompute twice over (its own
+checkpoint around autoremat's), and its profile would record the model's own recomputes.
+
+autoremat turns those switches off while it profiles a model (:func:`switched_off`), and while
+a plan is applied (:func:`autoremat.wrap.apply`; :func:`autoremat.wrap.remove` turns them
+back on): the plan's recompute replaces the model's own. The training reproduced is the one
+without either: the same gradients, and statistics (BatchNorm) that move once per step, where
+a model's own checkpoint around a BatchNorm block moves them twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+
+__all__ = ["SWITCHES", "switched_off", "switched_on", "turned_off_message"]
+
+# The attributes that switch a module's own checkpointing on (transformers and diffusers; timm).
+SWITCHES = ("gradient_checkpointing", "grad_checkpointing")
+
+
+def switched_on(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """``(path, module, attribute)`` for every switch of ``model`` that is on (``True``)."""
+    return [
+        (path, m, name)
+        for path, m in model.named_modules()
+        for name in SWITCHES
+        if getattr(m, name, None) is True
+    ]
+
+
+@contextlib.contextmanager
+def switched_off(model: nn.Module) -> Iterator[list[str]]:
+    """While active, every switch of ``model`` that is on is off; then on again (also when the
+    body raises). Yields the paths of the modules switched off."""
+    found = switched_on(model)
+    for _, m, name in found:
+        setattr(m, name, False)
+    try:
+        yield [path for path, _, _ in found]
+    finally:
+        for _, m, name in found:
+            setattr(m, name, True)
+
+
+def turned_off_message(model_name: str, paths: list[str], how: str) -> str:
+    """One warning for a model whose own checkpointing autoremat turned off (``how``: for the
+    profile, or while the plan is applied)."""
+    shown = ", ".join(repr(p or "(root)") for p in paths[:3])
+    more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    return (
+        f"{model_name} checkpoints itself (its own activation checkpointing is on in "
+        f"{len(paths)} module(s): {shown}{more}); autoremat turned it off {how}: the plan's "
+        f"recompute replaces it (the same gradients; BatchNorm statistics move once per step)"
+    )
