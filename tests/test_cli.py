@@ -351,3 +351,15 @@ def test_demo_states_the_timing_noise(tiny, capsys):
         low, high = (step - 0.005) / (ms[0] + 0.005), (step + 0.005) / (ms[0] - 0.005)
         assert low - 0.005 <= float(found.group(1)) <= high + 0.005, (line, ms)
     assert "median of 3 rounds" in out and "CPU step times are noisy" in out
+
+
+def test_the_console_script_names_the_command():
+    """``pyproject.toml``'s ``autoremat`` script resolves to the command's ``main``."""
+    import importlib
+    from pathlib import Path
+
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    module, _, name = project["project"]["scripts"]["autoremat"].partition(":")
+    assert getattr(importlib.import_module(module), name) is main

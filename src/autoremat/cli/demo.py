@@ -72,9 +72,9 @@ def _print_table(rows: list[Row], rounds: int) -> None:
     if timed:
         print(
             f"time: the median of {rounds} rounds, each one step of every model in turn (the "
-            "order reversed every other round);\ntime x is the ratio of the ms/step column; "
-            "spread = (max - min) / median. CPU step times are noisy (other\nprocesses, clock "
-            "changes): a ratio within the spreads of 1 is no measured difference. Peaks and "
+            "order reversed\nevery other round); time x is the ratio of the ms/step column; "
+            "spread = (max - min) / median.\nCPU step times are noisy (other processes, clock "
+            "changes): a ratio within the spreads of 1\nis no measured difference. Peaks and "
             "FLOPs are exact."
         )
     else:
