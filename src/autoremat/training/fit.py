@@ -156,14 +156,12 @@ def step_seconds(prof: Profile, plan: Plan | None) -> float:
 @dataclass(frozen=True)
 class _Probe:
     """One batch size profiled on ``meta``: its inputs, profile, and the whole step's memory
-    at the lowest budget and without recompute (the model's own step: a Hugging Face model
-    fills its key/value cache then, as no applied plan lets it)."""
+    at the lowest budget."""
 
     batch: int
     inputs: tuple[Any, dict[str, Any]]
     profile: Profile
     lowest: StepMemory
-    without: StepMemory
 
 
 class _Prober:
@@ -176,6 +174,7 @@ class _Prober:
         self.make_inputs, self.opt, self.dm = make_inputs, opt, dm
         self.loss_fn, self.selective, self.autocast = loss_fn, selective, autocast
         self.seen: dict[int, _Probe] = {}
+        self.plain: dict[int, StepMemory] = {}
         self.caches = bool(cache_modules(self.shadow))  # a Hugging Face model's
         self.progress = Progress("fitting", 40, "batch sizes profiled on meta")
 
@@ -184,24 +183,30 @@ class _Prober:
             with torch.device("meta"):
                 args, kwargs = self.make_inputs(batch)
             args, kwargs = tree_map(_on_meta, (args, kwargs))
-            how = {"loss_fn": self.loss_fn, "autocast": self.autocast}
-            prof = profile(self.shadow, args, kwargs, **how)  # type: ignore[arg-type]
+            prof = profile(self.shadow, args, kwargs, loss_fn=self.loss_fn, autocast=self.autocast)
             low = profile_lowest(prof, selective=self.selective)
-            own = prof.peak
-            if self.caches:  # the model's own step fills its cache
-                own = profile(self.shadow, args, kwargs, hf_cache=True, **how).peak  # type: ignore[arg-type]
-            parts = (self.shadow, (args, kwargs))
-            self.seen[batch] = _Probe(
-                batch, (args, kwargs), prof,
-                step_memory(*parts, low, self.opt, self.dm),
-                step_memory(*parts, own, self.opt, self.dm),
-            )  # fmt: skip
+            memory = step_memory(self.shadow, (args, kwargs), low, self.opt, self.dm)
+            self.seen[batch] = _Probe(batch, (args, kwargs), prof, memory)
             self.progress.step(f"batch {batch}")
         return self.seen[batch]
 
+    def without(self, batch: int) -> StepMemory:
+        """The whole step's memory of the model's own step at ``batch``, no recompute: a
+        Hugging Face model fills its key/value cache then (no applied plan lets it), so it is
+        profiled once more with it, only for the batches asked."""
+        if batch not in self.plain:
+            probe = self.probe(batch)
+            peak = probe.profile.peak
+            if self.caches:
+                args, kwargs = probe.inputs
+                how = {"loss_fn": self.loss_fn, "autocast": self.autocast, "hf_cache": True}
+                peak = profile(self.shadow, args, kwargs, **how).peak  # type: ignore[arg-type]
+            self.plain[batch] = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm)
+        return self.plain[batch]
+
     def fits(self, batch: int, recompute: bool = True) -> bool:
-        probe = self.probe(batch)
-        return (probe.lowest if recompute else probe.without).device <= self.dm.total
+        memory = self.probe(batch).lowest if recompute else self.without(batch)
+        return memory.device <= self.dm.total
 
     def largest(self, top: int, recompute: bool = True) -> int:
         """The largest batch in ``1..top`` that fits (0: none), by doubling then bisection."""
@@ -228,7 +233,7 @@ class _Prober:
         peak = probe.profile.peak if chosen is None else chosen.estimated_peak or 0
         memory = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm)
         seconds = step_seconds(probe.profile, chosen)
-        return Candidate(batch, memory, probe.without, chosen, seconds)
+        return Candidate(batch, memory, self.without(batch), chosen, seconds)
 
 
 def _on_meta(value: Any) -> Any:
