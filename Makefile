@@ -12,7 +12,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import autoremat, torch, transformers, mypy"
 	touch $(STAMP)
 
-.PHONY: setup demo test test-fast lint typecheck bench
+# The library zoo (docs/zoo.md) needs torchvision, timm, diffusers and peft: a venv of its own,
+# since torchvision's PyPI wheel does not load beside the CPU torch without the zoo's shim.
+ZOO_VENV := .venv-zoo
+ZOO_STAMP := $(ZOO_VENV)/.installed
+
+$(ZOO_STAMP): pyproject.toml
+	@echo "Creating $(ZOO_VENV) with autoremat's dev and zoo extras..."
+	$(PYTHON) -m venv $(ZOO_VENV)
+	$(ZOO_VENV)/bin/python -m pip install --progress-bar on -e '.[dev,zoo]' | grep -E '^(Collecting|Successfully)' || true
+	cd benchmarks && ../$(ZOO_VENV)/bin/python -c "import library_zoo, torchvision, timm, diffusers, peft"
+	touch $(ZOO_STAMP)
+
+.PHONY: setup demo test test-fast lint typecheck bench zoo zoo-test
 setup: $(STAMP)
 
 demo: $(STAMP)
@@ -33,3 +45,12 @@ test-fast: lint typecheck
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
+
+# Every architecture of the library zoo, fp32 and bf16, own checkpointing off and on: writes
+# benchmarks/results/zoo.md (about half an hour on 2 cores).
+zoo: $(ZOO_STAMP)
+	cd benchmarks && ../$(ZOO_VENV)/bin/python -m library_zoo
+
+# The zoo's tests (real DenseNet, RegNet, LeViT, Swin, a VAE, MoE, each library's switch).
+zoo-test: $(ZOO_STAMP)
+	$(ZOO_VENV)/bin/python -m pytest tests/test_library_zoo.py

@@ -1,21 +1,20 @@
 """Shared helpers: one training step, comparisons of two models after it, and the proof that
-a wrapped model's entries were recomputed (:class:`Recomputes`)."""
+a wrapped model's entries were recomputed
+(:class:`~autoremat.comparison.recomputed.RecomputeCounter`)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from autoremat.comparison.recomputed import RecomputeCounter
 from autoremat.core.nested import iter_tensors
 from autoremat.examples import EXAMPLES
 from autoremat.wrap.checkpointed import wrapped_paths
-from autoremat.wrap.replay import recomputing
 
 # No test may depend on timing: hypothesis's per-example deadline (200 ms by default) and its
 # too-slow health check fail tests on a busy machine, so both are off for every property test.
@@ -43,34 +42,10 @@ def train_step(model: nn.Module, args: tuple, kwargs: dict, seed: int = 1) -> to
     return loss.detach()
 
 
-class Recomputes(TorchDispatchMode):
-    """Counts, for each plan entry, the ops its recomputes run while the mode is active
-    (:func:`autoremat.wrap.replay.recomputing` names the entry): a wrap that recomputed
-    nothing counts none. Active around a training step, it sees the backward too (the autograd
-    engine carries the mode into it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-        entry = recomputing()
-        if entry is not None:
-            self.ops[entry] += 1
-        return func(*args, **(kwargs or {}))
-
-    def check(self, entries: Any) -> None:
-        """Assert that each of ``entries`` (some at least) ran ops in a recompute."""
-        entries = list(entries)
-        assert entries, "no entry is wrapped: nothing could be recomputed"
-        missing = [e for e in entries if not self.ops[e]]
-        assert not missing, f"not recomputed: {missing} (recomputed: {dict(self.ops)})"
-
-
 def recomputed_step(model: nn.Module, step: Any, entries: Any = None) -> Any:
     """``step()``, asserting that every entry of ``model`` (``entries``, else every entry
     wrapped, :func:`autoremat.wrapped_paths`) ran ops in a recompute meanwhile."""
-    with Recomputes() as seen:
+    with RecomputeCounter() as seen:
         result = step()
     seen.check(wrapped_paths(model) if entries is None else entries)
     return result

@@ -114,9 +114,9 @@ def options_of(root: Item) -> dict[str, tuple[Item, frozenset[str]]]:
         for whole in (node, *node.other_ways):
             if whole.freed > 0:
                 found[key(whole)] = (whole, subtree(node))
-        for i, j, freed, flops, peak in node.runs:
+        for i, j, freed, flops, peak, held, held_from in node.runs:
             if freed > 0:
-                run = node.run_item(i, j, freed, flops, peak)
+                run = node.run_item(i, j, freed, flops, peak, held, held_from)
                 covered = frozenset().union(*(subtree(c) for c in node.children[i:j]))
                 found[run.path] = (run, covered)
     return found
@@ -179,12 +179,21 @@ def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False) -> Case:
         children = tuple(build(c) for c in kids[i])
         end = ended
         ended += 1
-        runs: tuple[tuple[int, int, int, int, int], ...] = ()
+        runs: tuple[Any, ...] = ()
         if len(children) >= 2:
             spans = [(a, b) for a in range(len(children)) for b in range(a + 2, len(children) + 1)]
             picked = draw(st.lists(st.sampled_from(spans), unique=True, max_size=4))
             runs = tuple(
-                (a, b, draw(freed_st), draw(flops_st), draw(peak_st)) for a, b in sorted(picked)
+                (
+                    a,
+                    b,
+                    draw(freed_st),
+                    draw(flops_st),
+                    draw(peak_st),
+                    draw(inside_st),
+                    draw(steps_st(children[a].start, children[b - 1].end)),
+                )
+                for a, b in sorted(picked)
             )
         groups, moments = draw(recasts_st(start, end)) if recast else ((), ())
         options = tuple(
@@ -551,7 +560,13 @@ def test_run_of_sequential_children_frees_what_it_frees_as_one():
     is not kept); it ends when b ends."""
     c = Item("c", start=2, end=2, freed=5, flops=1)
     r = Item(
-        "r", start=0, end=3, freed=100, flops=21, children=(A, B, c), runs=((0, 2, 80, 20, 0),)
+        "r",
+        start=0,
+        end=3,
+        freed=100,
+        flops=21,
+        children=(A, B, c),
+        runs=((0, 2, 80, 20, 0, 0, ()),),
     )
     points = ((0, 10), (2, 100), (4, 100))
     # at point 2 (a, b ended) 75 must go: a+b free 70, r is still running; only the run does
@@ -571,7 +586,7 @@ def test_run_of_sequential_children_frees_what_it_frees_as_one():
         flops=21,
         candidate=False,
         children=(A, B, c),
-        runs=((0, 2, 80, 20, 0),),
+        runs=((0, 2, 80, 20, 0, 0, ()),),
     )
     with pytest.raises(Infeasible):
         solve(fixed, points, 25)

@@ -137,6 +137,21 @@ def test_the_throughput_objective_picks_the_most_samples_per_second() -> None:
     assert found.measured is None and found.fits is None
 
 
+def test_a_model_that_cannot_train_at_batch_one_is_fitted_from_two() -> None:
+    """BatchNorm over one value per channel cannot train at batch 1 (timm LeViT's last stage):
+    fit starts from the smallest batch that runs instead of refusing the model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 4))
+    found = autoremat.fit(
+        model, lambda b: ((torch.randn(b, 64),), {}), device_memory="4MiB", verify=False
+    )
+    assert found.batch >= 2
+    with pytest.raises(ValueError, match="even a batch of 2 does not fit"):
+        autoremat.fit(
+            model, lambda b: ((torch.randn(b, 64),), {}), device_memory="64KiB", verify=False
+        )
+
+
 def test_a_device_too_small_for_a_batch_of_one_says_what_it_needs() -> None:
     model, args, kwargs = EXAMPLES["mlp"]()
     with pytest.raises(ValueError, match=r"even a batch of 1 does not fit 1.00 MiB.*needs"):

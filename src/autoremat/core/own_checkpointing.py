@@ -27,12 +27,15 @@ SWITCHES = ("gradient_checkpointing", "grad_checkpointing")
 
 
 def switched_on(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """``(path, module, attribute)`` for every switch of ``model`` that is on (``True``)."""
+    """``(path, module, attribute)`` for every switch of ``model`` that is on (``True``): an
+    attribute of the module itself, not one a wrapper forwards from the module it wraps (peft's
+    ``PeftModel`` answers ``grad_checkpointing`` with its timm model's), which switching would
+    leave behind as a new attribute of the wrapper."""
     return [
         (path, m, name)
         for path, m in model.named_modules()
         for name in SWITCHES
-        if getattr(m, name, None) is True
+        if vars(m).get(name) is True
     ]
 
 

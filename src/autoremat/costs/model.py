@@ -75,13 +75,18 @@ class Recast:
 
 @dataclass(frozen=True)
 class Run:
-    """Recomputing children ``i..j-1`` of a plain ``nn.Sequential`` as one: what it frees and
-    its recompute's peak (as :class:`~autoremat.costs.profile.NodeCost` has them)."""
+    """Recomputing children ``i..j-1`` of a plain ``nn.Sequential`` as one: what it frees,
+    its recompute's peak, and what it holds during its forward beyond the step without
+    recompute (as :class:`~autoremat.costs.profile.NodeCost` has them: ``held``, the first
+    child's inputs that no child of the run saves, which the checkpoint keeps from the run's
+    start; ``held_from``, less what its finished parts saved)."""
 
     i: int
     j: int
     freed: int
     recompute_peak: int
+    held: int = 0
+    held_from: Steps = ()
 
 
 def lowest_common(
@@ -102,7 +107,7 @@ def lowest_common(
     return lca
 
 
-def freed_bytes(rec: Recording) -> tuple[dict[Node, int], dict[Node, int]]:
+def freed_bytes(rec: Recording, line: Timeline) -> tuple[dict[Node, int], dict[Node, int]]:
     """Bytes each node's recompute would free (negative: would cost), and the part of the
     cost that is its inputs (charged; held from its start).
 
@@ -113,10 +118,11 @@ def freed_bytes(rec: Recording) -> tuple[dict[Node, int], dict[Node, int]]:
     parent, depth = rec.family
     freed: dict[Node, int] = defaultdict(int)
     charged: dict[Node, int] = defaultdict(int)
+    consumers = _consumers(rec)
     for key, (size, who) in rec.savers.items():
         node: Node | None = lowest_common(who, parent, depth)
         while node is not None:
-            if key not in rec.input_keys[node]:
+            if key not in rec.input_keys[node] and not _passed_on(rec, line, node, key, consumers):
                 freed[node] += size
             node = parent[node]
     for n in rec.tree.walk():
@@ -126,6 +132,34 @@ def freed_bytes(rec: Recording) -> tuple[dict[Node, int], dict[Node, int]]:
                 freed[n] -= size
                 charged[n] += size
     return freed, charged
+
+
+def _consumers(rec: Recording) -> dict[int, list[Node]]:
+    """For each storage, the nodes it is an input of."""
+    found: dict[int, list[Node]] = defaultdict(list)
+    for n in rec.tree.walk():
+        for key in rec.input_keys[n]:
+            found[key].append(n)
+    return found
+
+
+def _passed_on(
+    rec: Recording, line: Timeline, node: Node, key: int, consumers: dict[int, list[Node]]
+) -> bool:
+    """Whether storage ``key`` is an output of ``node`` that a node outside it, beginning
+    after other nodes ended, takes as an input (a UNet down block's skip output, which the up
+    path takes): the caller keeps it alive through those nodes' forwards, so a checkpoint of
+    the node does not free it then, although the node saves it. Counted as not freed at all:
+    an upper bound, since it is freed once that consumer is done with it. (An output the next
+    node takes at once is freed as soon as the node ends, as far as any point can tell.)"""
+    if key not in rec.output_keys[node] or node not in line.spans:
+        return False
+    end = line.spans[node][1]
+    return any(
+        not rec.within(c, node) and not rec.within(node, c) and line.spans[c][0] > end + 1
+        for c in consumers[key]
+        if c in line.spans
+    )
 
 
 def released(rec: Recording, ends: dict[Node, int]) -> dict[Node, list[tuple[int, int, int]]]:
@@ -310,16 +344,30 @@ def _chained_children(node: Node, line: Timeline) -> bool:
     )
 
 
-def runs(rec: Recording, line: Timeline) -> dict[Node, tuple[Run, ...]]:
+def runs(
+    rec: Recording, line: Timeline, gone: dict[Node, list[tuple[int, int, int]]]
+) -> dict[Node, tuple[Run, ...]]:
     """Costs of recomputing runs of two or more consecutive children of each plain
-    ``nn.Sequential`` (whose stock forward chains its children), as :func:`freed_bytes` and
-    :func:`recompute_peak` price one node: a run's recompute begins when backward first uses
-    what any of its children saved, and ends at the last save of any."""
+    ``nn.Sequential`` (whose stock forward chains its children), as :func:`freed_bytes`,
+    :func:`held_from` and :func:`recompute_peak` price one node: a run's recompute begins when
+    backward first uses what any of its children saved, and ends at the last save of any.
+    ``gone``: :func:`released`; a run drops, part-way, what its parent would drop inside the
+    run's span."""
     return {
-        node: tuple(_runs_of(rec, line, node))
+        node: tuple(_runs_of(rec, line, node, gone.get(node, [])))
         for node in rec.tree.walk()
         if _chained_children(node, line)
     }
+
+
+def _run_held_from(
+    rec: Recording, line: Timeline, kids: list[Node], gone: list[tuple[int, int, int]]
+) -> Steps:
+    """What run ``kids`` stops holding part-way through its forward: the parent's
+    :func:`released` storages let go inside the run's span, other than the run's inputs."""
+    begin, stop = line.spans[kids[0]][0], line.spans[kids[-1]][1]
+    inputs = rec.input_keys[kids[0]]
+    return _steps([(p, -size) for p, key, size in gone if begin < p <= stop and key not in inputs])
 
 
 def _child_index(node: Node) -> dict[Node, int]:
@@ -369,7 +417,9 @@ def _charges(rec: Recording, node: Node, i: int) -> list[int]:
     return charges
 
 
-def _runs_of(rec: Recording, line: Timeline, node: Node) -> list[Run]:
+def _runs_of(
+    rec: Recording, line: Timeline, node: Node, gone: list[tuple[int, int, int]]
+) -> list[Run]:
     kids, events = node.children, rec.events
     gain = _gains(rec, node)
     found = []
@@ -394,5 +444,6 @@ def _runs_of(rec: Recording, line: Timeline, node: Node) -> list[Run]:
             begins = line.backward_now.get(last, 0) if first is None else first[1]
             frees = freed - charges[j]
             peak = begins - frees + added if last in line.backward_now else 0
-            found.append(Run(i, j, frees, peak))
+            held_from = _run_held_from(rec, line, kids[i:j], gone)
+            found.append(Run(i, j, frees, peak, charges[j], held_from))
     return found

@@ -374,14 +374,14 @@ class _Assembly:
 
     def __init__(self, rec: Recording, line: Timeline, times: _Times) -> None:
         self.rec, self.line, self.times = rec, line, times
-        self.freed, self.charged = cost_model.freed_bytes(rec)
+        self.freed, self.charged = cost_model.freed_bytes(rec, line)
         ends = {node: end for node, (_, end) in line.spans.items()}
         self.released = cost_model.released(rec, ends)
         self.reads = cost_model.cast_reads_within(rec)
         self.recasts = cost_model.recasts(rec, line, self.reads)
         self.runs = {
             node: tuple(self._recast_run(node.children, r) for r in found)
-            for node, found in cost_model.runs(rec, line).items()
+            for node, found in cost_model.runs(rec, line, self.released).items()
         }
         self.found: dict[Node, NodeCost] = {}
 

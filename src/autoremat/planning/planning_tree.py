@@ -11,6 +11,8 @@ way that differs), and what each costs: seconds (``objective="time"``) or FLOPs
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from autoremat.core.entries import parse_run
@@ -105,7 +107,7 @@ class _Builder:
             recast_moments=cost.recast.moments,
         )
 
-    def runs(self, cost: NodeCost, kids: list[Node]) -> tuple[tuple[int, int, int, int, int], ...]:
+    def runs(self, cost: NodeCost, kids: list[Node]) -> tuple[Any, ...]:
         """The runs of ``cost`` that can be recomputed exactly: none of their children changes
         Python state, and the first one's inputs are not changed in place (the run's inputs;
         the others' are made inside the run)."""
@@ -116,6 +118,8 @@ class _Builder:
                 r.freed,
                 sum(self.prof[c.path].flops for c in kids[r.i : r.j]),
                 r.recompute_peak + sum(_buffer_bytes(c.module) for c in kids[r.i : r.j]),
+                r.held,
+                r.held_from,
             )
             for r in cost.runs
             if not kids[r.i].inplace_reason and not any(c.replay_reason for c in kids[r.i : r.j])

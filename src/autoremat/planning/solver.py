@@ -82,8 +82,8 @@ class Item:
     children: tuple[Item, ...] = ()
     recompute_peak: int = 0
     # runs [i:j) of two or more children that can be recomputed as one (a plain Sequential):
-    # (i, j, freed, flops, recompute_peak)
-    runs: tuple[tuple[int, int, int, int, int], ...] = ()
+    # (i, j, freed, flops, recompute_peak, held, held_from), held and held_from as below
+    runs: tuple[tuple[int, int, int, int, int, int, tuple[tuple[int, int], ...]], ...] = ()
     written: int = 0  # bytes the recompute's ops write
     # bytes it keeps alive during its own forward beyond the step without recompute (inputs
     # the checkpoint holds): added to the points inside its span; and how that changes
@@ -104,7 +104,16 @@ class Item:
     recasts: tuple[tuple[int, tuple[int, ...]], ...] = ()
     recast_moments: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
-    def run_item(self, i: int, j: int, freed: int, flops: int, recompute_peak: int) -> Item:
+    def run_item(
+        self,
+        i: int,
+        j: int,
+        freed: int,
+        flops: int,
+        recompute_peak: int,
+        held: int = 0,
+        held_from: tuple[tuple[int, int], ...] = (),
+    ) -> Item:
         """The run ``[i:j)`` of this node's children as one item, named ``path[i:j]``; its
         bytes written and seconds are its children's."""
         kids = self.children[i:j]
@@ -116,6 +125,8 @@ class Item:
             freed=freed,
             flops=flops,
             recompute_peak=recompute_peak,
+            held=held,
+            held_from=held_from,
             written=sum(k.written for k in kids),
             seconds=None if None in seconds else sum(seconds),  # type: ignore[arg-type]
         )
@@ -148,7 +159,7 @@ class Item:
         return max([self.recompute_peak + extra, *(b for _, b in moments)])
 
     def _inside(self, point: int) -> int:
-        return self.held_in_backward if point > self.start else 0
+        return self.held_in_backward if point >= self.start else 0
 
     def held_at(self, point: int) -> int:
         """The bytes more than the step without recompute live at ``point``, inside the span,
@@ -157,11 +168,14 @@ class Item:
 
     @property
     def held_in_backward(self) -> int:
-        """The bytes more than the step without recompute live at the points inside the span
-        outside the forward, during this item's backward: ``held``. Its recompute has
-        brought back all its forward dropped, and handed over what a selective recompute
-        cached (``torch.utils.checkpoint``'s cache gives each output up as the recompute
-        reaches it)."""
+        """The bytes more than the step without recompute live at the points of its backward
+        (``start <= p <= end`` after the forward): ``held``. Its recompute has brought back all
+        its forward dropped, and handed over what a selective recompute cached
+        (``torch.utils.checkpoint``'s cache gives each output up as the recompute reaches
+        it). The point ``start`` counts too: the backward of the node's own ops before its
+        first child (all of a node whose modules run no child) is there, and the
+        checkpoint holds the inputs until that ends (an upper bound at the moments of
+        ``start`` after it)."""
         return self.held
 
     def worst_inside(self, forward: Sequence[int], backward: Sequence[int]) -> int:
@@ -170,8 +184,8 @@ class Item:
         (``forward[p]``) and after (``backward[p]``); 0 when the span has no point."""
         worst, extra, begin = 0, self.held, self.start + 1
         stop = min(self.end + 1, len(forward), len(backward))
-        if begin < stop:
-            worst = max(backward[begin:stop]) + self.held_in_backward
+        if self.start < stop:
+            worst = max(backward[self.start : stop]) + self.held_in_backward
         for p, b in (*self.held_from, (stop, 0)):
             if p > begin and begin < stop:
                 worst = max(worst, max(forward[begin : min(p, stop)]) + extra)
@@ -218,7 +232,7 @@ def predict_peak(
     recast = {id(s): s.recast_with(chosen) for s in chosen}
     moments = [
         *(
-            (p, b + sum(s.held_in_backward for s in chosen if s.start < p <= s.end))
+            (p, b + sum(s.held_in_backward for s in chosen if s.start <= p <= s.end))
             for p, b in points
         ),
         *((p, b + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)) for p, b in forward),
@@ -345,7 +359,9 @@ class _Solver:
         if item.held_from:
             worst = item.worst_inside(self.during, self.after)
         else:  # the same in both phases (the common case, kept fast)
-            worst = max(self.need[item.start + 1 : item.end + 1], default=-item.held) + item.held
+            inside = max(self.need[item.start + 1 : item.end + 1], default=NONE)
+            worst = max(inside, self.after[item.start] if item.start <= self.top else NONE)
+            worst = worst + item.held if worst > NONE else 0
         fits = self.feasible(states, max(worst, item.recompute_peak))
         if item.recasts:
             fits = [s for s in fits if self.recasts_fit(item, s)]
@@ -372,9 +388,10 @@ class _Solver:
             return self.check(states, item.start, item.end)
         kids = item.children
         runs: dict[int, list[tuple[int, Item]]] = {}
-        for i, j, freed, flops, peak in item.runs if item.candidate else ():
+        for i, j, freed, flops, peak, held, held_from in item.runs if item.candidate else ():
             if freed > 0:
-                runs.setdefault(i, []).append((j, item.run_item(i, j, freed, flops, peak)))
+                run = item.run_item(i, j, freed, flops, peak, held, held_from)
+                runs.setdefault(i, []).append((j, run))
         # arriving[k]: states that have passed children 0..k-1 (k = len(kids): all of them)
         arriving: list[list[list[_State]]] = [[] for _ in range(len(kids) + 1)]
         arriving[0] = [states]

@@ -39,6 +39,7 @@ from autoremat.costs.profile import Profile, profile
 from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.planning.plans import Plan
 from autoremat.record.step import Autocast, LossFn, StepHow, autocast_spec
+from autoremat.record.tree import ExampleInputsError
 from autoremat.training.device_model import DeviceModel, device_model
 from autoremat.training.measure_training import TrainingMeasurement, measure_training
 from autoremat.training.optimizer_memory import OptimizerLike, OptimizerMemory, optimizer_memory
@@ -208,11 +209,28 @@ class _Prober:
         memory = self.probe(batch).lowest if recompute else self.without(batch)
         return memory.device <= self.dm.total
 
+    def smallest_running(self, top: int) -> int:
+        """The smallest of 1, 2, 4, ... (up to ``top``) whose step runs: a model normalising
+        over one value per channel at batch 1 (timm LeViT's BatchNorm on its last stage's
+        single token) runs from batch 2 on. Raises the first batch's error when none runs."""
+        batch, first = 1, None
+        while True:
+            try:
+                self.probe(batch)
+                return batch
+            except ExampleInputsError as exc:
+                first = first or exc
+                if 2 * batch > top:
+                    raise first from None
+                batch *= 2
+
     def largest(self, top: int, recompute: bool = True) -> int:
-        """The largest batch in ``1..top`` that fits (0: none), by doubling then bisection."""
-        if not self.fits(1, recompute):
+        """The largest batch in ``1..top`` that fits (0: none), by doubling then bisection
+        from the smallest batch that runs (:meth:`smallest_running`)."""
+        lo = self.smallest_running(top)
+        if not self.fits(lo, recompute):
             return 0
-        lo, hi = 1, top + 1
+        hi = top + 1
         while 2 * lo <= top:
             if not self.fits(2 * lo, recompute):
                 hi = 2 * lo
@@ -285,7 +303,7 @@ def fit(
     prober = _Prober(model, make_inputs, opt, dm, loss_fn, selective, spec)
     top = prober.largest(max_batch)
     if top == 0:
-        raise _none_fits(prober.probe(1).lowest, dm)
+        raise _none_fits(prober, max_batch)
     without = prober.largest(top, recompute=False)
     candidates = [prober.candidate(b) for b in _ladder(without, top, objective)]
     best = max(candidates, key=lambda c: (c.samples_per_second, c.batch))
@@ -302,9 +320,11 @@ def fit(
     return found
 
 
-def _none_fits(need: StepMemory, dm: DeviceModel) -> ValueError:
+def _none_fits(prober: _Prober, max_batch: int) -> ValueError:
+    batch = prober.smallest_running(max_batch)
+    need, dm = prober.probe(batch).lowest, prober.dm
     return ValueError(
-        f"even a batch of 1 does not fit {dm}: its training step needs "
+        f"even a batch of {batch} does not fit {dm}: its training step needs "
         f"{format_size(need.device)} with the most recompute:\n{need}\nUse a device with "
         f"more memory, a lower precision, or an optimizer with less state"
     )

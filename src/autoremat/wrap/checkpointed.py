@@ -49,6 +49,7 @@ Saving and copying a wrapped model:
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, SupportsIndex
 
 import torch
@@ -63,8 +64,9 @@ from autoremat.core.classes import (
     reduce_as_plain,
 )
 from autoremat.core.entries import call_entry, run_entry
+from autoremat.core.nested import iter_tensors
 from autoremat.wrap.calls import PLAIN, chosen_calls
-from autoremat.wrap.replay import CheckpointedCall
+from autoremat.wrap.replay import CheckpointedCall, containers_copied
 
 __all__ = [
     "CONTEXT_ATTR",
@@ -197,21 +199,65 @@ def _checkpoint(
     if torch.compiler.is_compiling():
         return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
     call = CheckpointedCall(label, owners)
+    # The forward gets the caller's own arguments; checkpoint keeps copies of their lists and
+    # dicts for the recompute (:func:`~autoremat.wrap.replay.containers_copied`).
+    callers: list[tuple[tuple[Any, ...], dict[str, Any]]] = [(args, kwargs)]
 
     def run_forward(*a: Any) -> Any:
         """The wrapper function: the split point's own forward, guarded on recompute
         (:mod:`autoremat.wrap.replay`). The keyword arguments arrive as the last positional one
         (see below)."""
         *pos, k = a
+        if callers:  # the forward itself: the caller's containers, not the copies
+            pos, k = callers.pop()  # type: ignore[assignment]
         return call.run(fn, tuple(pos), k)
 
     # The keyword arguments travel as one positional dict: checkpoint saves and replays the
     # CUDA RNG state only of the devices of the tensors among its positional arguments, so a
     # module given its tensors by keyword (Hugging Face Llama's self_attn) would draw other
     # dropout masks in the recompute than in the forward on a GPU.
-    return checkpoint(
-        run_forward, *args, kwargs, use_reentrant=False, preserve_rng_state=True, **extra
-    )
+    kept_args, kept_kwargs = containers_copied((args, kwargs))
+    try:
+        out = checkpoint(
+            run_forward,
+            *kept_args,
+            kept_kwargs,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            **extra,
+        )
+    finally:
+        callers.clear()
+    _check_inputs_when_backward_begins(call, args, out)
+    return out
+
+
+def _check_inputs_when_backward_begins(
+    call: CheckpointedCall, args: tuple[Any, ...], out: Any
+) -> None:
+    """Before the backward of any output ``call`` made (not an input passed through), check
+    that its positional inputs are unchanged (:meth:`CheckpointedCall.check_inputs`): an input
+    changed in place since then fails there with the module's name, not later in torch's
+    checkpoint with none. The hook holds the call weakly (the checkpoint holds it). Not under
+    saved-tensor hooks (``save_on_cpu``): those may pack a copy, which the recompute then
+    gets, so a change to the original is no error there."""
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return
+    inputs = {id(a) for a in args if isinstance(a, torch.Tensor)}
+    ref = weakref.ref(call)
+
+    def hook(grad_outputs: Any) -> None:
+        found = ref()
+        if found is not None:
+            found.check_inputs()
+
+    nodes = {
+        id(t.grad_fn): t.grad_fn
+        for _, t in iter_tensors(out)
+        if t.grad_fn is not None and id(t) not in inputs
+    }
+    for node in nodes.values():
+        node.register_prehook(hook)
 
 
 _classes: dict[tuple[type, type], type] = {}

@@ -37,6 +37,7 @@ runs inside one, :func:`recomputing` which entry.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,7 +49,7 @@ from torch.utils.checkpoint import CheckpointError
 from autoremat.core.host_rng import HostRng, get_host_rng, set_host_rng
 from autoremat.core.nested import iter_tensors, version_of
 
-__all__ = ["CheckpointedCall", "decided", "is_recomputing", "recomputing"]
+__all__ = ["CheckpointedCall", "containers_copied", "decided", "is_recomputing", "recomputing"]
 
 _state = threading.local()
 
@@ -98,6 +99,7 @@ class CheckpointedCall:
     its first call is the forward, later ones recomputes."""
 
     __slots__ = (
+        "__weakref__",
         "before",
         "containers",
         "cursor",
@@ -106,6 +108,7 @@ class CheckpointedCall:
         "host_rng",
         "label",
         "owners",
+        "positional",
         "replaying",
         "signature",
     )
@@ -116,6 +119,8 @@ class CheckpointedCall:
         self.first = True
         self.containers: Containers = {}  # the lists and dicts of its inputs, as called
         self.signature: Signature = []
+        # its positional tensor inputs (weakly: the checkpoint holds them) and their versions
+        self.positional: list[tuple[int, weakref.ref[torch.Tensor], int | None]] = []
         self.before: Buffers = {}  # pre-forward values of the buffers the forward changed
         self.host_rng: HostRng = (None, None)
         self.decisions: list[Any] = []  # what decided() gave inside the forward, in order
@@ -147,8 +152,28 @@ class CheckpointedCall:
         self.before = _changed(objects, values, _buffers(self.owners))
         changed = [i for i, t, v in versions if version_of(t) != v]
         if changed:
-            raise CheckpointError(self._own_input_message(changed))
+            what = "changed its own input ({where}) in place in its forward"
+            fix = "make its forward work out of place (inplace=False)"
+            raise CheckpointError(self._input_message(changed, what, fix))
+        self.positional = [(i, weakref.ref(t), v) for i, t, v in versions]
         return out
+
+    def check_inputs(self) -> None:
+        """Raise a :class:`CheckpointError` naming the module if a positional input was changed
+        in place after its forward returned (by the caller, directly or through an output that
+        is that input or a view of it): checkpoint's own check, when it gives the input back
+        for the recompute, names no module. Called as the module's backward begins."""
+        changed = [
+            i for i, ref, v in self.positional if (t := ref()) is not None and version_of(t) != v
+        ]
+        if changed:
+            what = (
+                "is recomputed in backward, but its input ({where}) was changed in place after "
+                "its forward returned (by its caller, directly or through an output that is "
+                "that input or a view of it)"
+            )
+            fix = "change a copy (out = out.clone()) instead of the tensor in place"
+            raise CheckpointError(self._input_message(changed, what, fix))
 
     def _recompute(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         args, kwargs = _as_called((args, kwargs), self.containers)
@@ -170,15 +195,16 @@ class CheckpointedCall:
             _restore(self.owners, after)
             _reset_values(values)
 
-    def _own_input_message(self, changed: list[int]) -> str:
+    def _input_message(self, changed: list[int], what: str, fix: str) -> str:
+        """A positional input changed in place (``what`` happened to it, ``{where}`` naming
+        it): checkpoint's own error in backward would name no module."""
         path = self.label or "(root)"
         where = ", ".join(f"args[{i}]" for i in changed)
         return (
-            f"autoremat: module {path!r} changed its own input ({where}) in place in its "
-            f"forward; checkpoint keeps that input for the recompute, so backward would fail "
-            f'("modified by an inplace operation"). Fix: leave {path!r} out of the plan '
-            f"(autoremat.plan finds such modules), or make its forward work out of place "
-            f"(inplace=False)."
+            f"autoremat: module {path!r} {what.format(where=where)}; checkpoint keeps that "
+            f'input for the recompute, so backward would fail ("modified by an inplace '
+            f'operation"). Fix: leave {path!r} out of the plan (autoremat.plan finds such '
+            f"modules), or {fix}."
         )
 
     def _changed_message(self, now: Signature) -> str:
@@ -224,6 +250,14 @@ def _as_called(value: Any, found: Containers) -> Any:
     if type(value) is tuple:
         return tuple(_as_called(v, found) for v in value)
     return value
+
+
+def containers_copied(value: Any) -> Any:
+    """``value`` with every list and dict in it (of those exact types, through tuples, lists
+    and dicts) a shallow copy as it is now, the same tensors in it. What a checkpoint keeps for
+    the recompute: holding the caller's own list would keep alive everything the caller
+    appends to it later (DenseNet's features), until the module's backward."""
+    return _as_called(value, _containers(value, {}))
 
 
 def _buffers(owners: list[nn.Module]) -> Buffers:

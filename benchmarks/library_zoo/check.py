@@ -1,0 +1,296 @@
+"""The library zoo's checks of one architecture in one configuration (precision, the model's
+own checkpointing on or off): :func:`check` gives one :class:`ZooRow`.
+
+For the configuration it profiles the model once, makes two budget plans from the profile (a
+mid-range one: 50% of the no-recompute peak, or halfway between the lowest budget and the peak
+when 50% is below the lowest; and the lowest), and for each plan, on a fresh copy:
+
+- trains two steps (SGD, dropout on, the same seeds) and compares loss, every gradient, every
+  parameter and buffer afterwards bit for bit with the model trained without recompute (and
+  without its own checkpointing: the training autoremat reproduces, ``docs/guide.md``);
+- proves that every entry was recomputed (:class:`autoremat.comparison.RecomputeCounter`);
+- measures the step's peak (:func:`autoremat.measure`) against the budget and the estimate.
+
+The user's model is checked to be left as found (:mod:`library_zoo.state`) after each call
+that runs it. Every stage catches its error into the row, so one model never stops the zoo.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import autoremat
+from autoremat.comparison.contenders import every_block
+from autoremat.comparison.recomputed import RecomputeCounter
+from autoremat.core import huggingface
+from autoremat.core.own_checkpointing import switched_on
+from autoremat.planning.plan import plan_from_profile, profile_lowest
+from autoremat.record.step import default_loss
+from library_zoo import ZooModel, own_checkpointing_on
+from library_zoo.state import changes, probe, state_of
+
+__all__ = ["CallsCheck", "PlanCheck", "ZooRow", "check", "check_calls", "trajectory"]
+
+STEPS = 2
+LR = 1e-2
+
+
+@dataclass
+class PlanCheck:
+    """One plan on a fresh copy: what it chose and what was measured of it."""
+
+    budget: int
+    estimated: int | None = None
+    measured: int | None = None
+    entries: int = 0
+    selective: int = 0
+    exact: bool = False
+    recomputed: bool = False
+    switch_restored: bool = True
+    error: str = ""
+
+    @property
+    def held(self) -> bool:
+        return self.measured is not None and self.measured <= self.budget
+
+    @property
+    def estimate_error(self) -> float | None:
+        if self.estimated is None or not self.measured:
+            return None
+        return (self.estimated - self.measured) / self.measured
+
+
+@dataclass
+class ZooRow:
+    """One architecture in one configuration."""
+
+    model: str
+    library: str
+    precision: str
+    own: bool
+    peak: int | None = None
+    lowest: int | None = None
+    every_block: int | None = None
+    plan_seconds: float | None = None
+    mid: PlanCheck | None = None
+    low: PlanCheck | None = None
+    left_as_found: list[str] = field(default_factory=list)
+    error: str = ""
+
+    def failures(self) -> list[str]:
+        """What breaks the zoo's promise: a crash; a plan that did not train exactly, was not
+        recomputed or (fp32) measured over its budget; the user's model left changed. bf16
+        budgets are the memory-prediction issue's: shown, not failed."""
+        where = f"{self.model} {self.precision} own={self.own}"
+        found = [f"{where}: {self.error}"] if self.error else []
+        found += [f"{where}: {c}" for c in self.left_as_found]
+        for name, c in (("mid", self.mid), ("lowest", self.low)):
+            if c is None:
+                continue
+            bad = [c.error] if c.error else []
+            bad += [] if c.exact or c.error else ["not exact"]
+            bad += [] if c.recomputed or c.error else ["not recomputed"]
+            over = not c.held and self.precision == "fp32" and not c.error
+            bad += ["over budget"] if over else []
+            bad += [] if c.switch_restored else ["own checkpointing not off while applied"]
+            found += [f"{where} {name}: {b}" for b in bad]
+        return found
+
+
+def _autocast(precision: str) -> Any:
+    return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else _null()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def trajectory(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], precision: str
+) -> list[torch.Tensor]:
+    """Train ``STEPS`` SGD steps (seed ``k`` before step ``k``); every loss and gradient on
+    the way and every parameter and buffer after, in order."""
+    seen: list[torch.Tensor] = []
+    params = [p for p in model.parameters() if p.requires_grad]
+    for k in range(STEPS):
+        for p in params:
+            p.grad = None
+        torch.manual_seed(k)
+        with _autocast(precision):
+            loss = default_loss(model(*args, **kwargs))
+        loss.backward()
+        seen.append(loss.detach().clone())
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    seen.append(p.grad.clone())
+                    p.sub_(LR * p.grad)
+    seen += [t.detach().clone() for t in model.state_dict().values()]
+    return seen
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True)
+    )
+
+
+def _reference(model: nn.Module, args: Any, kwargs: Any, precision: str) -> list[torch.Tensor]:
+    """The training autoremat reproduces: no recompute, the model's own checkpointing off, a
+    Hugging Face model's key/value cache off in training (as every plan runs it)."""
+    plain = copy.deepcopy(model)
+    for _, m, name in switched_on(plain):
+        setattr(m, name, False)
+    huggingface.turn_cache_off_in_training(plain, warn=False)
+    with torch.random.fork_rng(devices=[]):
+        return trajectory(plain, args, kwargs, precision)
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+
+
+def _check_plan(
+    model: nn.Module, chosen: autoremat.Plan, args: Any, kwargs: Any, precision: str,
+    reference: list[torch.Tensor],
+) -> PlanCheck:
+    """``chosen`` applied to a fresh copy of ``model``: trained, proved, measured."""
+    assert chosen.budget is not None
+    result = PlanCheck(budget=chosen.budget, estimated=chosen.estimated_peak,
+                       entries=len(chosen.modules), selective=len(chosen.selective))
+    try:
+        applied = copy.deepcopy(model)
+        own = len(switched_on(applied))
+        chosen.apply(applied)
+        off_while_applied = not switched_on(applied)
+        entries = autoremat.wrapped_paths(applied)
+        with torch.random.fork_rng(devices=[]), RecomputeCounter() as seen:
+            got = trajectory(applied, args, kwargs, precision)
+        result.recomputed = not seen.missing(entries)
+        result.exact = _same(reference, got)
+        autocast = torch.bfloat16 if precision == "bf16" else None
+        result.measured = autoremat.measure(applied, args, kwargs, autocast=autocast).peak
+        autoremat.remove(applied)
+        result.switch_restored = off_while_applied and len(switched_on(applied)) == own
+    except Exception as exc:  # one plan's failure is a cell of the table, not the zoo's end
+        result.error = _error(exc)
+    return result
+
+
+def _left_as_found(model: nn.Module, call: str, work: Callable[[], Any], row: ZooRow) -> Any:
+    """``work()``, noting in ``row`` what it left changed in ``model``."""
+    before = state_of(model)
+    try:
+        return work()
+    finally:
+        row.left_as_found += [f"{call}: {c}" for c in changes(before, state_of(model))]
+
+
+def _mid_budget(peak: int, lowest: int) -> int:
+    return peak // 2 if peak // 2 >= lowest else (peak + lowest) // 2
+
+
+def _every_block_peak(model: nn.Module, args: Any, kwargs: Any, precision: str) -> int | None:
+    applied = every_block().apply(copy.deepcopy(model), args, kwargs)
+    if applied is None:
+        return None
+    target = applied.model if hasattr(applied, "model") else applied
+    autocast = torch.bfloat16 if precision == "bf16" else None
+    return autoremat.measure(target, args, kwargs, autocast=autocast).peak
+
+
+def check(entry: ZooModel, precision: str, own: bool, objective: str = "time") -> ZooRow:
+    """One architecture in one configuration (module docstring). ``objective``: the plans'
+    (``"time"``, the default, prices recompute by measured op times, so two runs may choose
+    differently; ``"flops"`` chooses the same plan on every run)."""
+    row = ZooRow(entry.name, entry.library, precision, own)
+    try:
+        model, args, kwargs = entry.build()
+        if own and not own_checkpointing_on(model):
+            row.error = "no own checkpointing switch"
+            return row
+        reference = _reference(model, args, kwargs, precision)
+        autocast = torch.bfloat16 if precision == "bf16" else None
+        started = time.perf_counter()
+        prof = _left_as_found(model, "profile", lambda: autoremat.profile(
+            model, args, kwargs, autocast=autocast), row)
+        row.lowest = profile_lowest(prof, objective=objective)
+        row.peak = prof.peak
+        budgets = {"mid": _mid_budget(row.peak, row.lowest), "low": row.lowest}
+        plans = {
+            k: plan_from_profile(model, prof, b, objective=objective) for k, b in budgets.items()
+        }
+        row.plan_seconds = time.perf_counter() - started
+        row.mid = _check_plan(model, plans["mid"], args, kwargs, precision, reference)
+        row.low = _check_plan(model, plans["low"], args, kwargs, precision, reference)
+        row.every_block = _every_block_peak(model, args, kwargs, precision)
+    except Exception as exc:
+        row.error = _error(exc)
+    return row
+
+
+@dataclass
+class CallsCheck:
+    """The user's own model after ``plan``, ``measure`` and ``fit`` (fp32): what they left
+    changed, whether a forward still gives what a fresh model gives (hooks, hidden states),
+    and the batch ``fit`` found (or why not)."""
+
+    model: str
+    left_as_found: list[str] = field(default_factory=list)
+    probe_same: bool | None = None
+    fit: str = ""
+    error: str = ""
+
+    def failures(self) -> list[str]:
+        """A crash, the user's model left changed, or its forward no longer a fresh one's."""
+        found = [f"{self.model} calls: {self.error}"] if self.error else []
+        found += [f"{self.model}: {x}" for x in self.left_as_found]
+        if self.probe_same is False:
+            found.append(f"{self.model}: forward differs from a fresh model's after the calls")
+        return found
+
+
+def _fit(model: nn.Module, args: Any, kwargs: Any, row: ZooRow) -> str:
+    """``fit`` at twice the example batch's no-recompute training memory: the batch found."""
+    need = autoremat.predict_training(model, args, kwargs, optimizer="sgd").device
+    make = lambda b: autoremat.scale_batch(args, kwargs, b)  # noqa: E731
+    found = autoremat.fit(model, make, device_memory=2 * need, optimizer="sgd", max_batch=64,
+                          verify=False)
+    return f"batch {found.batch} ({len(found.plan.modules)} entries)"
+
+
+def check_calls(entry: ZooModel) -> CallsCheck:
+    """``plan``, ``measure`` and ``fit`` on the user's model leave it as found (module
+    docstring), and its forward (``output_hidden_states=True`` on Hugging Face models) gives
+    what a fresh copy's gives."""
+    result = CallsCheck(entry.name)
+    row = ZooRow(entry.name, entry.library, "fp32", False)
+    try:
+        model, args, kwargs = entry.build()
+        lowest = _left_as_found(model, "lowest_budget", lambda: autoremat.lowest_budget(
+            model, args, kwargs), row)
+        _left_as_found(model, "plan", lambda: autoremat.plan(model, args, kwargs,
+                                                             budget=lowest), row)
+        _left_as_found(model, "measure", lambda: autoremat.measure(model, args, kwargs), row)
+        try:
+            result.fit = _left_as_found(model, "fit", lambda: _fit(model, args, kwargs, row), row)
+        except Exception as exc:
+            result.fit = f"refused: {_error(exc)}"
+        fresh, _, _ = entry.build()
+        got, expected = probe(model, args, kwargs), probe(fresh, args, kwargs)
+        result.probe_same = _same(expected, got)
+    except Exception as exc:
+        result.error = _error(exc)
+    result.left_as_found = row.left_as_found
+    return result
