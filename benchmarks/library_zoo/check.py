@@ -17,6 +17,7 @@ that runs it. Every stage catches its error into the row, so one model never sto
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable
@@ -27,10 +28,11 @@ import torch
 from torch import nn
 
 import autoremat
+from autoremat.comparison.applied import as_applied
 from autoremat.comparison.contenders import every_block
 from autoremat.comparison.recomputed import RecomputeCounter
 from autoremat.core import huggingface
-from autoremat.core.own_checkpointing import switched_on
+from autoremat.core.own_checkpointing import switched_off, switched_on
 from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.record.step import default_loss
 from library_zoo import ZooModel, own_checkpointing_on
@@ -104,16 +106,14 @@ class ZooRow:
         return found
 
 
+def _dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of ``precision`` (``None``: fp32, no autocast)."""
+    return torch.bfloat16 if precision == "bf16" else None
+
+
 def _autocast(precision: str) -> Any:
-    return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else _null()
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    dtype = _dtype(precision)
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
 
 
 def trajectory(
@@ -150,10 +150,8 @@ def _reference(model: nn.Module, args: Any, kwargs: Any, precision: str) -> list
     """The training autoremat reproduces: no recompute, the model's own checkpointing off, a
     Hugging Face model's key/value cache off in training (as every plan runs it)."""
     plain = copy.deepcopy(model)
-    for _, m, name in switched_on(plain):
-        setattr(m, name, False)
     huggingface.turn_cache_off_in_training(plain, warn=False)
-    with torch.random.fork_rng(devices=[]):
+    with switched_off(plain), torch.random.fork_rng(devices=[]):
         return trajectory(plain, args, kwargs, precision)
 
 
@@ -179,8 +177,8 @@ def _check_plan(
             got = trajectory(applied, args, kwargs, precision)
         result.recomputed = not seen.missing(entries)
         result.exact = _same(reference, got)
-        autocast = torch.bfloat16 if precision == "bf16" else None
-        result.measured = autoremat.measure(applied, args, kwargs, autocast=autocast).peak
+        measured = autoremat.measure(applied, args, kwargs, autocast=_dtype(precision))
+        result.measured = measured.peak
         autoremat.remove(applied)
         result.switch_restored = off_while_applied and len(switched_on(applied)) == own
     except Exception as exc:  # one plan's failure is a cell of the table, not the zoo's end
@@ -202,12 +200,10 @@ def _mid_budget(peak: int, lowest: int) -> int:
 
 
 def _every_block_peak(model: nn.Module, args: Any, kwargs: Any, precision: str) -> int | None:
-    applied = every_block().apply(copy.deepcopy(model), args, kwargs)
+    applied = as_applied(every_block().apply(copy.deepcopy(model), args, kwargs))
     if applied is None:
         return None
-    target = applied.model if hasattr(applied, "model") else applied
-    autocast = torch.bfloat16 if precision == "bf16" else None
-    return autoremat.measure(target, args, kwargs, autocast=autocast).peak
+    return autoremat.measure(applied.model, args, kwargs, autocast=_dtype(precision)).peak
 
 
 def check(entry: ZooModel, precision: str, own: bool, objective: str = "time") -> ZooRow:
@@ -221,10 +217,9 @@ def check(entry: ZooModel, precision: str, own: bool, objective: str = "time") -
             row.error = "no own checkpointing switch"
             return row
         reference = _reference(model, args, kwargs, precision)
-        autocast = torch.bfloat16 if precision == "bf16" else None
         started = time.perf_counter()
         prof = _left_as_found(model, "profile", lambda: autoremat.profile(
-            model, args, kwargs, autocast=autocast), row)
+            model, args, kwargs, autocast=_dtype(precision)), row)
         row.lowest = profile_lowest(prof, objective=objective)
         row.peak = prof.peak
         budgets = {"mid": _mid_budget(row.peak, row.lowest), "low": row.lowest}

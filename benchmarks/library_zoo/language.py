@@ -31,13 +31,22 @@ def _ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, TOKENS))
 
 
-def _causal(cls_name: str, config_name: str, **config: Any) -> Example:
+def _small(cls_name: str, config_name: str, **config: Any) -> Any:
+    """transformers' ``cls_name`` from its ``config_name`` at :data:`SMALL` sizes."""
     import transformers
 
     settings = {**SMALL, **config}
-    model = getattr(transformers, cls_name)(getattr(transformers, config_name)(**settings))
+    return getattr(transformers, cls_name)(getattr(transformers, config_name)(**settings))
+
+
+def _language_model(model: Any) -> Example:
+    """``model`` with a batch of tokens as its inputs and labels (its own shifted LM loss)."""
     ids = _ids()
     return model, (), {"input_ids": ids, "labels": ids}
+
+
+def _causal(cls_name: str, config_name: str, **config: Any) -> Example:
+    return _language_model(_small(cls_name, config_name, **config))
 
 
 @seeded
@@ -47,8 +56,7 @@ def hf_gpt2() -> Example:
 
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64,
                                      vocab_size=VOCAB)
-    ids = _ids()
-    return transformers.GPT2LMHeadModel(config), (), {"input_ids": ids, "labels": ids}
+    return _language_model(transformers.GPT2LMHeadModel(config))
 
 
 @seeded
@@ -106,10 +114,7 @@ def hf_modernbert() -> Example:
 
 
 def _masked(cls_name: str, config_name: str, **config: Any) -> Example:
-    import transformers
-
-    settings = {**SMALL, **config}
-    model = getattr(transformers, cls_name)(getattr(transformers, config_name)(**settings))
+    model = _small(cls_name, config_name, **config)
     ids = _ids()
     labels = torch.where(torch.rand(ids.shape) < 0.15, ids, torch.full_like(ids, -100))
     labels[:, 0] = ids[:, 0]  # at least one labelled token per row
@@ -128,9 +133,7 @@ def hf_bart() -> Example:
         decoder_ffn_dim=128, max_position_embeddings=64, encoder_layerdrop=0.1,
         decoder_layerdrop=0.1,
     )
-    ids = _ids()
-    return transformers.BartForConditionalGeneration(config), (), {"input_ids": ids,
-                                                                    "labels": ids}
+    return _language_model(transformers.BartForConditionalGeneration(config))
 
 
 @seeded
@@ -140,9 +143,7 @@ def hf_t5() -> Example:
 
     config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128,
                                    num_layers=2, num_heads=4, decoder_start_token_id=0)
-    ids = _ids()
-    return transformers.T5ForConditionalGeneration(config), (), {"input_ids": ids,
-                                                                  "labels": ids}
+    return _language_model(transformers.T5ForConditionalGeneration(config))
 
 
 @seeded
@@ -152,8 +153,7 @@ def hf_mamba() -> Example:
 
     config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                       state_size=8, expand=2, conv_kernel=4)
-    ids = _ids()
-    return transformers.MambaForCausalLM(config), (), {"input_ids": ids, "labels": ids}
+    return _language_model(transformers.MambaForCausalLM(config))
 
 
 @seeded
@@ -206,8 +206,7 @@ def hf_rwkv() -> Example:
     config = transformers.RwkvConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                      attention_hidden_size=64, intermediate_size=128,
                                      context_length=64)
-    ids = _ids()
-    return transformers.RwkvForCausalLM(config), (), {"input_ids": ids, "labels": ids}
+    return _language_model(transformers.RwkvForCausalLM(config))
 
 
 @seeded
@@ -220,5 +219,4 @@ def hf_recurrent_gemma() -> Example:
         num_key_value_heads=1, intermediate_size=128, lru_width=64, attention_window_size=16,
         block_types=("recurrent", "recurrent", "attention"), head_dim=16,
     )
-    ids = _ids()
-    return transformers.RecurrentGemmaForCausalLM(config), (), {"input_ids": ids, "labels": ids}
+    return _language_model(transformers.RecurrentGemmaForCausalLM(config))

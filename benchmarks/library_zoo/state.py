@@ -34,9 +34,12 @@ def _plain(value: Any) -> bool:
 
 
 def _attributes(module: nn.Module) -> dict[str, Any]:
-    """The module's own plain attributes (numbers, strings, flags, tuples of them)."""
-    return {k: v for k, v in vars(module).items() if not k.startswith("_") and _plain(v)} | {
-        k: v for k, v in vars(module).items() if k.startswith("_") and isinstance(v, bool)
+    """The module's own plain attributes (numbers, strings, flags, tuples of them; of the
+    private ones, flags only: transformers' ``_output_capturing_hooks_installed``)."""
+    return {
+        k: v
+        for k, v in vars(module).items()
+        if (isinstance(v, bool) if k.startswith("_") else _plain(v))
     }
 
 

@@ -11,14 +11,12 @@ way that differs), and what each costs: seconds (``objective="time"``) or FLOPs
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from autoremat.core.entries import parse_run
 from autoremat.core.selective import FULL
 from autoremat.costs.profile import NodeCost, Profile
-from autoremat.planning.solver import Item
+from autoremat.planning.solver import Item, RunCost
 from autoremat.record.tree import Node
 from autoremat.wrap.wrapping import unwrappable_reason
 
@@ -107,7 +105,7 @@ class _Builder:
             recast_moments=cost.recast.moments,
         )
 
-    def runs(self, cost: NodeCost, kids: list[Node]) -> tuple[Any, ...]:
+    def runs(self, cost: NodeCost, kids: list[Node]) -> tuple[RunCost, ...]:
         """The runs of ``cost`` that can be recomputed exactly: none of their children changes
         Python state, and the first one's inputs are not changed in place (the run's inputs;
         the others' are made inside the run)."""

@@ -66,7 +66,11 @@ NONE = -(2**62)  # the bytes at a point where no moment was seen (below any budg
 FLOPS_PER_SECOND = 1e11
 TIE_PER_BYTE = 1e-3
 
-__all__ = ["Infeasible", "Item", "min_peak", "predict_peak", "solve"]
+__all__ = ["Infeasible", "Item", "RunCost", "min_peak", "predict_peak", "solve"]
+
+# A run [i:j) of a node's children recomputed as one (a plain Sequential): (i, j, freed, flops,
+# recompute_peak, held, held_from), the last five as :class:`Item` has them
+RunCost = tuple[int, int, int, int, int, int, tuple[tuple[int, int], ...]]
 
 
 @dataclass(frozen=True)
@@ -81,9 +85,8 @@ class Item:
     candidate: bool = True
     children: tuple[Item, ...] = ()
     recompute_peak: int = 0
-    # runs [i:j) of two or more children that can be recomputed as one (a plain Sequential):
-    # (i, j, freed, flops, recompute_peak, held, held_from), held and held_from as below
-    runs: tuple[tuple[int, int, int, int, int, int, tuple[tuple[int, int], ...]], ...] = ()
+    # runs of two or more children that can be recomputed as one (:data:`RunCost`)
+    runs: tuple[RunCost, ...] = ()
     written: int = 0  # bytes the recompute's ops write
     # bytes it keeps alive during its own forward beyond the step without recompute (inputs
     # the checkpoint holds): added to the points inside its span; and how that changes

@@ -21,7 +21,8 @@ back:
   a random-depth knob draws the same and the training loop's own draws are untouched.
 * **Containers among the inputs**: the lists and dicts a call received (DenseNet's dense
   layers receive the list of features their block appends to after the call), as they were
-  when it began: the recompute gets copies made of their items then.
+  when it began: the checkpoint keeps copies made of their items then
+  (:func:`containers_copied`), and the recompute gets those.
 * **Inputs**: a tensor reachable from the inputs (a key/value cache object, keyword arguments)
   changed in place between the forward and the recompute raises a
   :class:`~torch.utils.checkpoint.CheckpointError` naming the module; so does a forward that
@@ -101,7 +102,6 @@ class CheckpointedCall:
     __slots__ = (
         "__weakref__",
         "before",
-        "containers",
         "cursor",
         "decisions",
         "first",
@@ -117,7 +117,6 @@ class CheckpointedCall:
         self.label = label
         self.owners = owners
         self.first = True
-        self.containers: Containers = {}  # the lists and dicts of its inputs, as called
         self.signature: Signature = []
         # its positional tensor inputs (weakly: the checkpoint holds them) and their versions
         self.positional: list[tuple[int, weakref.ref[torch.Tensor], int | None]] = []
@@ -142,7 +141,6 @@ class CheckpointedCall:
 
     def _forward(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.first = False
-        self.containers = _containers((args, kwargs), {})
         self.signature = _state_signature(args, kwargs)
         versions = _positional_versions(args)
         self.host_rng = get_host_rng()
@@ -176,7 +174,6 @@ class CheckpointedCall:
             raise CheckpointError(self._input_message(changed, what, fix))
 
     def _recompute(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        args, kwargs = _as_called((args, kwargs), self.containers)
         now = _state_signature(args, kwargs)
         if now != self.signature:
             raise CheckpointError(self._changed_message(now))
@@ -221,43 +218,26 @@ class CheckpointedCall:
         )
 
 
-# id of a list or dict among a call's inputs -> a shallow copy of it as the call began
-Containers = dict[int, Any]
-
-
-def _containers(value: Any, found: Containers) -> Containers:
-    """A shallow copy of each list and dict (of those exact types) nested in ``value``
-    (through tuples, lists and dicts), by the id of the original, as it is now."""
-    if type(value) in (list, dict) and id(value) not in found:
-        found[id(value)] = list(value) if type(value) is list else dict(value)
-        for item in value if type(value) is list else value.values():
-            _containers(item, found)
-    elif type(value) is tuple:
-        for item in value:
-            _containers(item, found)
-    return found
-
-
-def _as_called(value: Any, found: Containers) -> Any:
-    """``value`` with each list and dict of ``found`` (by id) made again from its items as the
-    call began: a caller that appends to a list after the call (DenseNet's features) does not
-    change what the recompute computes."""
-    if type(value) in (list, dict) and id(value) in found:
-        items = found[id(value)]
-        if type(items) is list:
-            return [_as_called(v, found) for v in items]
-        return {k: _as_called(v, found) for k, v in items.items()}
-    if type(value) is tuple:
-        return tuple(_as_called(v, found) for v in value)
-    return value
-
-
-def containers_copied(value: Any) -> Any:
+def containers_copied(value: Any, copies: dict[int, Any] | None = None) -> Any:
     """``value`` with every list and dict in it (of those exact types, through tuples, lists
-    and dicts) a shallow copy as it is now, the same tensors in it. What a checkpoint keeps for
-    the recompute: holding the caller's own list would keep alive everything the caller
-    appends to it later (DenseNet's features), until the module's backward."""
-    return _as_called(value, _containers(value, {}))
+    and dicts) a shallow copy as it is now, the same tensors in it (one copy of a container
+    found twice). What a checkpoint keeps for the recompute: the caller's own list would keep
+    alive everything the caller appends to it later (DenseNet's features) until the module's
+    backward, and the recompute would see those too."""
+    copies = {} if copies is None else copies
+    if type(value) in (list, dict):
+        if id(value) in copies:
+            return copies[id(value)]
+        copy: Any = [] if type(value) is list else {}
+        copies[id(value)] = copy  # (before its items: a list that holds itself)
+        if type(value) is list:
+            copy.extend(containers_copied(v, copies) for v in value)
+        else:
+            copy.update((k, containers_copied(v, copies)) for k, v in value.items())
+        return copy
+    if type(value) is tuple:
+        return tuple(containers_copied(v, copies) for v in value)
+    return value
 
 
 def _buffers(owners: list[nn.Module]) -> Buffers:
