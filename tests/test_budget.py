@@ -64,6 +64,8 @@ flops_st = st.integers(0, 60)
 peak_st = st.integers(0, MAX_BYTES)
 written_st = st.integers(0, 2)
 inside_st = st.one_of(st.just(0), st.integers(0, 40))
+# the part of what an item frees that autocast's cast cache keeps until the forward ends
+cached_st = st.one_of(st.just(0), st.integers(0, 40))
 
 
 def steps_st(start: int, end: int) -> st.SearchStrategy[tuple[tuple[int, int], ...]]:
@@ -114,9 +116,9 @@ def options_of(root: Item) -> dict[str, tuple[Item, frozenset[str]]]:
         for whole in (node, *node.other_ways):
             if whole.freed > 0:
                 found[key(whole)] = (whole, subtree(node))
-        for i, j, freed, flops, peak, held, held_from in node.runs:
+        for i, j, freed, flops, peak, held, held_from, cached in node.runs:
             if freed > 0:
-                run = node.run_item(i, j, freed, flops, peak, held, held_from)
+                run = node.run_item(i, j, freed, flops, peak, held, held_from, cached)
                 covered = frozenset().union(*(subtree(c) for c in node.children[i:j]))
                 found[run.path] = (run, covered)
     return found
@@ -154,15 +156,31 @@ def recasts_st(start: int, end: int) -> st.SearchStrategy[tuple[Any, Any]]:
     )
 
 
+def shared_st(start: int) -> st.SearchStrategy[tuple[tuple[int, tuple[int, ...]], ...]]:
+    """Casts an item frees after the forward when the other savers (nodes that ended before it
+    began) are chosen too (:attr:`Item.shared_casts`)."""
+    if start == 0:
+        return st.just(())
+    ends = st.lists(st.integers(0, start - 1), min_size=1, max_size=3)
+    return st.lists(
+        st.tuples(st.integers(1, 30), ends.map(lambda e: tuple(sorted(set(e))))), max_size=2
+    ).map(tuple)
+
+
 @st.composite
-def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False) -> Case:
+def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False, shared: bool = False) -> Case:
     """A random tree numbered in execution order: ends in post-order (children before their
     parent, siblings in order); a node's start is the number of nodes that ended before it
     began, i.e. the end of the first leaf of its subtree. With ``recast``, items have
-    :attr:`Item.recasts`."""
+    :attr:`Item.recasts`; with ``shared``, :attr:`Item.shared_casts`."""
     n = draw(st.integers(1, max_nodes))
     # every item priced by measured seconds (as plan's objective="time" makes them), or none
     timed = draw(st.booleans())
+    # items that free less in the forward than after it (autocast's cast cache), or none
+    phased = draw(st.booleans())
+
+    def cached() -> int:
+        return draw(cached_st) if phased else 0
 
     def seconds() -> float | None:
         return draw(st.integers(0, 60)) / FLOPS_PER_SECOND if timed else None
@@ -192,10 +210,12 @@ def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False) -> Case:
                     draw(peak_st),
                     draw(inside_st),
                     draw(steps_st(children[a].start, children[b - 1].end)),
+                    cached(),
                 )
                 for a, b in sorted(picked)
             )
         groups, moments = draw(recasts_st(start, end)) if recast else ((), ())
+        casts = draw(shared_st(start)) if shared else ()
         options = tuple(
             Item(
                 path=f"n{i}",
@@ -207,10 +227,12 @@ def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False) -> Case:
                 written=draw(written_st),
                 held=draw(inside_st),
                 held_from=draw(steps_st(start, end)),
+                cached=cached(),
                 way=mode,
                 seconds=seconds(),
                 recasts=groups,
                 recast_moments=moments,
+                shared_casts=casts,
             )
             for mode in draw(st.sampled_from([(), ("selective",), ("selective", "selective-bmm")]))
         )
@@ -227,10 +249,12 @@ def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False) -> Case:
             written=draw(written_st),
             held=draw(inside_st),
             held_from=draw(steps_st(start, end)),
+            cached=cached(),
             other_ways=options,
             seconds=seconds(),
             recasts=groups,
             recast_moments=moments,
+            shared_casts=casts,
         )
 
     root = build(0)
@@ -394,16 +418,66 @@ def test_with_recasts_the_answer_fits_and_no_fit_is_missed_that_counting_every_r
         assert cost(chosen) <= pessimistic + 1e-9
 
 
-def _every_recast_table(case: Case) -> list[tuple[int, float, tuple[Item, ...]]]:
-    """:func:`brute_force` with every recast counting (as if no holder were recomputed)."""
+def _every_recast_table(
+    case: Case, shared: bool = True
+) -> list[tuple[int, float, tuple[Item, ...]]]:
+    """:func:`brute_force` with every recast counting (as if no holder were recomputed);
+    without ``shared``, no shared cast freed either."""
 
     def counted(item: Item) -> Item:
-        return dataclasses.replace(item, recasts=tuple((b, ()) for b, _ in item.recasts))
+        return dataclasses.replace(
+            item,
+            recasts=tuple((b, ()) for b, _ in item.recasts),
+            shared_casts=item.shared_casts if shared else (),
+        )
 
     return [
         (predict_peak(case.points, [counted(i) for i in s], case.forward), cost(s), s)
         for s in valid_sets(case)
     ]
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(recast=True, shared=True), budget=budget_st)
+def test_with_shared_casts_the_answer_fits_and_no_fit_is_missed_that_freeing_none_finds(
+    case: Case, budget: int
+) -> None:
+    """Shared casts (a shared module's weight casts, freed after the forward once every call
+    that saved them is recomputed) depend on what else is chosen; the walk adds them per
+    state. (a) The answer is valid and fits under :func:`predict_peak`, which frees them; (b)
+    whenever some set fits with none freed and every recast counted, ``solve`` finds an
+    answer, no dearer than the cheapest such set; (c) Infeasible only when no set fits that
+    way."""
+    try:
+        chosen = solve(case.root, case.points, budget, case.forward)
+    except Infeasible:
+        assert optimum(_every_recast_table(case, shared=False), budget) is None
+        return
+    assert_valid(case, chosen)
+    assert predict_peak(case.points, chosen, case.forward) <= budget
+    pessimistic = optimum(_every_recast_table(case, shared=False), budget)
+    if pessimistic is not None:
+        assert cost(chosen) <= pessimistic + 1e-9
+
+
+def test_a_shared_cast_is_freed_after_the_forward_once_every_saver_is_recomputed() -> None:
+    """A shared module's weight cast, saved by its three calls: freed at the points after the
+    forward past the last call's end when all three are recomputed, not when one is left, and
+    never at the points of the forward (autocast's cache holds it); the solver sees it."""
+    calls = [
+        Item(f"c@{k}", start=k, end=k, freed=10, flops=3 if k == 0 else 1, cached=4,
+             shared_casts=((6, tuple(range(k))),) if k == 2 else ())
+        for k in range(3)
+    ]  # fmt: skip
+    root = Item("r", start=0, end=3, freed=0, flops=0, children=tuple(calls))
+    after, forward = ((3, 100),), ((3, 90),)
+    assert predict_peak(after, calls[1:], forward) == max(100 - 20, 90 - 12)
+    assert predict_peak(after, calls, forward) == max(100 - 30 - 6, 90 - 18)
+    assert solve(root, after, 80, forward) == calls[1:]
+    assert solve(root, after, 72, forward) == calls
+    with pytest.raises(Infeasible):
+        solve(root, after, 71, forward)
 
 
 def test_a_recast_counts_unless_every_holder_is_recomputed() -> None:
@@ -566,7 +640,7 @@ def test_run_of_sequential_children_frees_what_it_frees_as_one():
         freed=100,
         flops=21,
         children=(A, B, c),
-        runs=((0, 2, 80, 20, 0, 0, ()),),
+        runs=((0, 2, 80, 20, 0, 0, (), 0),),
     )
     points = ((0, 10), (2, 100), (4, 100))
     # at point 2 (a, b ended) 75 must go: a+b free 70, r is still running; only the run does
@@ -586,7 +660,7 @@ def test_run_of_sequential_children_frees_what_it_frees_as_one():
         flops=21,
         candidate=False,
         children=(A, B, c),
-        runs=((0, 2, 80, 20, 0, 0, ()),),
+        runs=((0, 2, 80, 20, 0, 0, (), 0),),
     )
     with pytest.raises(Infeasible):
         solve(fixed, points, 25)

@@ -331,3 +331,160 @@ def test_the_largest_batch_without_recompute_counts_the_cache_a_plain_model_fill
     assert without.tensors == own.tensors
     without_cache = autoremat.predict_training(model, *at, optimizer="sgd", plan=cache_off)
     assert own.tensors > without_cache.tensors
+
+
+def test_on_the_cpu_a_fraction_is_of_the_ram_available_and_the_check_never_exceeds_it(
+    monkeypatch: Any, caplog: Any
+) -> None:
+    """On a shared machine ``"90%"`` is 90% of the RAM available now, and fit does not run its
+    check at a size the machine cannot hold now: it says so instead (a GPU would raise its
+    out-of-memory error; a host would swap or kill a process)."""
+    from autoremat.training import device_model as dm
+    from autoremat.training import fit as fit_module
+
+    monkeypatch.setattr(dm, "available_memory", lambda device: 64 * 2**20)
+    assert device_model("50%").total == 32 * 2**20
+    model, args, kwargs = EXAMPLES["mlp"]()
+    make = lambda b: autoremat.scale_batch(args, kwargs, b)  # noqa: E731
+    monkeypatch.setattr(fit_module, "available_memory", lambda device: 8 * 2**20)
+    with caplog.at_level("WARNING", logger="autoremat.training.fit"):
+        found = autoremat.fit(model, make, device_memory="48MiB", optimizer="sgd", max_batch=4096)
+    assert found.measured is None and found.fits is None
+    assert "8.00 MiB available now" in found.not_verified
+    assert "not verified (batch" in str(found)
+    assert "check on the device is skipped" in caplog.text
+
+
+def test_on_the_cpu_each_checkpoint_keeps_an_rng_state_the_allocator_sees_and_fit_counts_it() -> (
+    None
+):
+    """``torch.utils.checkpoint`` keeps the CPU generator's state (5,056 bytes) per recomputed
+    call until its backward: no op makes it, so the tensor tracker does not see it and the CPU
+    allocator does, per checkpoint. The device figure ``fit`` and ``plan_for_device`` size by
+    counts it per call (a module's entry: one per call)."""
+    from autoremat.planning.plans import Plan
+    from autoremat.training.device_model import CPU_RNG_STATE
+    from autoremat.training.step_memory import checkpointed_calls
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6)))
+    x = torch.randn(512, 64)  # (activations above the parameters: the peak is the step's)
+    unseen = []
+    for k in (2, 5):
+        wrapped = autoremat.wrap.apply(copy.deepcopy(model), [str(i) for i in range(k)])
+        allocator = autoremat.measure(wrapped, (x,), memory="allocator").peak
+        unseen.append(allocator - autoremat.measure(wrapped, (x,)).peak)
+    assert CPU_RNG_STATE == 5056
+    assert unseen[1] - unseen[0] == 3 * CPU_RNG_STATE
+    looped, args, kwargs = EXAMPLES["looped"]()
+    prof = autoremat.profile(looped, args, kwargs)
+    block = next(n.module_path for n in prof.tree.walk() if n.calls > 1)
+    plan = Plan(modules=(block,), strategy="budget", model_class="X")
+    assert checkpointed_calls(plan, prof) == len(prof.calls_of(block)) > 1
+    dm = device_model("1GiB")
+    assert dm.rng_state == CPU_RNG_STATE and device_model("1GiB", "cuda").rng_state == 0
+    found = autoremat.fit(
+        model, lambda b: ((torch.randn(b, 64),), {}), device_memory="2MiB", optimizer="sgd",
+        verify=False,
+    )  # fmt: skip
+    assert found.plan.modules and found.chosen is not None
+    calls = checkpointed_calls(found.plan, autoremat.profile(model, (x,)))
+    assert found.chosen.memory.rng_states == calls * CPU_RNG_STATE
+    assert "checkpoints' RNG states" in str(found)
+    assert found.chosen.memory.device <= found.device.total
+
+
+def test_a_reserve_is_left_free_and_the_output_a_loop_may_keep_is_named() -> None:
+    """``reserve`` keeps memory free (a smaller batch fits), and the answer says what the loop
+    it assumes frees, and what keeping the output through the next forward would take."""
+    model, args, kwargs = EXAMPLES["mlp"]()
+    make = lambda b: autoremat.scale_batch(args, kwargs, b)  # noqa: E731
+    how = {"device_memory": "64MiB", "optimizer": "sgd", "verify": False, "max_batch": 8192}
+    plain = autoremat.fit(model, make, **how)
+    kept = autoremat.fit(model, make, reserve="16MiB", **how)
+    assert kept.batch < plain.batch
+    assert kept.device.for_tensors() == plain.device.for_tensors() - 16 * 2**20
+    assert kept.chosen is not None and kept.chosen.memory.device <= kept.device.limit == 48 * 2**20
+    assert kept.chosen.output_bytes == kept.batch * 256 * 4  # the last Linear's output
+    assert "16.00 MiB reserved" in str(kept) and "keeps the output alive" in str(kept)
+    with pytest.raises(ValueError, match="reserve"):
+        device_model("1GiB", "cpu", "50%")
+
+
+class ReadsAValue(nn.Module):
+    """A chain of Linear + GELU blocks whose forward reads a tensor's value (``.item()``, as
+    Hugging Face mask code does): it cannot run on ``meta``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().amax().item() > 1e6:  # data-dependent control flow
+            x = x / 2
+        return self.net(x)
+
+
+@pytest.mark.slow
+def test_a_model_that_cannot_run_on_meta_is_sized_from_real_steps_scaled(caplog: Any) -> None:
+    """``fit`` falls back to profiling real steps at batches 2, 4 and 6 and scaling them
+    (checked at 6): the scaled profile is the real one to the byte on this model, the batch
+    found trains within the device, and 1% more does not fit."""
+    from autoremat.training.scaled_profile import ScaledProfiles
+
+    torch.manual_seed(0)
+    model = ReadsAValue()
+    make = lambda b: ((torch.randn(b, 64),), {})  # noqa: E731
+    with pytest.raises(RuntimeError, match="meta"):
+        autoremat.profile(meta_copy(model), (torch.randn(4, 64, device="meta"),))
+    real = lambda b: autoremat.profile(model, (torch.randn(b, 64),))  # noqa: E731
+    scaled = ScaledProfiles(real, 1, real(1))
+    expected, got = real(40), scaled.at(40)
+    assert got.peak == expected.peak and got.backward_points == expected.backward_points
+    assert {k: c.freed for k, c in got.costs.items()} == {
+        k: c.freed for k, c in expected.costs.items()
+    }
+    with caplog.at_level("WARNING", logger="autoremat.training.fit"):
+        found = autoremat.fit(model, make, device_memory="4MiB", optimizer="sgd")
+    assert "cannot be sized on meta" in caplog.text and "Tensor.item()" in caplog.text
+    assert found.plan.modules and found.fits and found.measured is not None
+    assert (
+        abs(found.chosen.memory.tensors - found.measured.tensors) <= 0.01 * found.measured.tensors
+    )
+    # 1% more does not fit even at its lowest budget (found within 0.1% of the peak)
+    up_args = make(found.batch * 101 // 100)[0]
+    lowest = autoremat.lowest_budget(model, up_args, objective="flops")
+    plan = autoremat.plan(model, up_args, budget=lowest, objective="flops")
+    wrapped = plan.apply(copy.deepcopy(model))
+    assert (
+        autoremat.measure_training(wrapped, up_args, optimizer="sgd").tensors > found.device.total
+    )
+
+
+def test_a_step_that_does_not_scale_with_the_batch_is_refused_by_name() -> None:
+    """A step whose memory grows with the square of the batch cannot be extrapolated: the
+    check at 3b says so, and names the way out."""
+    from autoremat.training.scaled_profile import NotScalable
+
+    class Pairs(ReadsAValue):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = super().forward(x)
+            return (y @ y.T).relu()  # batch x batch
+
+    model = Pairs()
+    with pytest.raises(NotScalable, match=r"not linear in the batch.*plan_for_device"):
+        autoremat.fit(model, lambda b: ((torch.randn(b, 64),), {}), device_memory="64MiB",
+                      optimizer="sgd", verify=False)  # fmt: skip
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    from autoremat.training.fit import meta_shadow
+
+    return meta_shadow(model)
+
+
+def test_the_fit_command_takes_a_reserve(capsys: Any) -> None:
+    code = main(["fit", "mlp", "--device-memory", "64MiB", "--optimizer", "sgd", "--reserve",
+                 "16MiB", "--no-verify", "--max-batch", "4096"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "16.00 MiB reserved" in out and "--reserve" in out

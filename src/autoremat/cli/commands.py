@@ -112,6 +112,7 @@ def _fit_command(ns: argparse.Namespace) -> int:
         objective=ns.objective,
         max_batch=ns.max_batch,
         verify=not ns.no_verify,
+        reserve=int(ns.reserve) if ns.reserve.isdigit() else ns.reserve,
         autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(ns.autocast or ""),
     )
     example = batch_size_of(args, kwargs, ns.batch_dim)

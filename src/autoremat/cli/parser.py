@@ -170,9 +170,9 @@ def _add_fit(p_fit: argparse.ArgumentParser) -> None:
     p_fit.add_argument(
         "--device-memory",
         metavar="M",
-        default="100%",
+        default="90%",
         help="memory the whole training step may use: a size (24GiB), whole bytes, or a "
-        "percentage of the device's memory (default 100%%)",
+        "percentage of the device's memory, on the CPU of the RAM available now (default 90%%)",
     )
     p_fit.add_argument(
         "--device", default=None, help="move the model there first (e.g. cuda; default: as built)"
@@ -185,6 +185,13 @@ def _add_fit(p_fit: argparse.ArgumentParser) -> None:
         help="the largest batch (default), or the most predicted samples per second",
     )
     p_fit.add_argument("--max-batch", type=int, default=2**16, metavar="N")
+    p_fit.add_argument(
+        "--reserve",
+        metavar="M",
+        default="0",
+        help="memory the step leaves free (a size, 1GiB): for a loop that keeps the last output "
+        "alive through the next forward, or another process (default 0)",
+    )
     p_fit.add_argument(
         "--autocast",
         choices=("bf16", "fp16"),

@@ -6,7 +6,10 @@ the reasoning and the measured error; in short, for a node checkpointed:
 
 * **freed**: storages saved for backward only inside its subtree, other than its inputs, less
   its inputs nothing inside saved (the checkpoint keeps every input until the node's
-  backward, longer than they would otherwise live): :func:`freed_bytes`;
+  backward, longer than they would otherwise live): :func:`freed_bytes`; of those, under
+  autocast, the weight casts autocast's cast cache keeps until the forward ends, freed only
+  after it: :func:`cached_bytes`; and those several nodes saved (a shared module's calls),
+  freed after the forward once all of them are recomputed: :func:`shared_casts`;
 * **held during its forward**: those charged inputs from its start, less what its finished
   parts saved (a checkpointed forward drops it, :func:`released`), more, for a selective
   recompute, each kept output nothing else saves, from when it was made: :func:`held_from`;
@@ -25,6 +28,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
@@ -38,9 +42,11 @@ __all__ = [
     "Recast",
     "Run",
     "Storages",
+    "cached_bytes",
     "cast_reads_within",
     "freed_bytes",
     "held_from",
+    "kept_cached",
     "kept_cost",
     "lowest_common",
     "recasts",
@@ -48,6 +54,7 @@ __all__ = [
     "released",
     "run_recast",
     "runs",
+    "shared_casts",
 ]
 
 MAX_RUN = 64  # longest run of Sequential children considered as one recompute
@@ -87,6 +94,7 @@ class Run:
     recompute_peak: int
     held: int = 0
     held_from: Steps = ()
+    cached: int = 0
 
 
 def lowest_common(
@@ -115,16 +123,10 @@ def freed_bytes(rec: Recording, line: Timeline) -> tuple[dict[Node, int], dict[N
     Cost: its inputs that nothing inside the subtree saved. The checkpoint keeps every input
     until the node's backward; such an input would otherwise have been freed sooner.
     """
-    parent, depth = rec.family
     freed: dict[Node, int] = defaultdict(int)
     charged: dict[Node, int] = defaultdict(int)
-    consumers = _consumers(rec)
-    for key, (size, who) in rec.savers.items():
-        node: Node | None = lowest_common(who, parent, depth)
-        while node is not None:
-            if key not in rec.input_keys[node] and not _passed_on(rec, line, node, key, consumers):
-                freed[node] += size
-            node = parent[node]
+    for _, size, node in _frees(rec, line):
+        freed[node] += size
     for n in rec.tree.walk():
         for key, size in rec.input_keys[n].items():
             saved_inside = key in rec.savers and any(rec.within(p, n) for p in rec.savers[key][1])
@@ -132,6 +134,57 @@ def freed_bytes(rec: Recording, line: Timeline) -> tuple[dict[Node, int], dict[N
                 freed[n] -= size
                 charged[n] += size
     return freed, charged
+
+
+def cached_bytes(rec: Recording, line: Timeline) -> dict[Node, int]:
+    """For each node, the part of what its recompute frees (:func:`freed_bytes`) that stays
+    live until the forward ends anyway: the casts autocast's cast cache keeps until its region
+    ends (:attr:`Recording.cached_casts`; a checkpointed forward casts its weights as the step
+    without recompute does). Such a cast is freed when backward begins, unless a node that is
+    not recomputed saved it."""
+    found: dict[Node, int] = defaultdict(int)
+    if rec.cached_casts:
+        for key, size, node in _frees(rec, line):
+            if key in rec.cached_casts:
+                found[node] += size
+    return found
+
+
+def shared_casts(rec: Recording, line: Timeline) -> dict[Node, Groups]:
+    """For each node, the casts autocast's cache keeps that it and nodes before it saved (a
+    shared module's weights, cast by its first call and saved by every call), grouped as
+    ``(bytes, ends of the other savers)``. Counted in what no node frees but their common
+    ancestor (:func:`freed_bytes`), such a cast dies when the forward ends if every saver is
+    recomputed: the node whose subtree holds the last saver (and not all) frees it then,
+    from its end, once the others (all ended before it began) are recomputed too."""
+    parent, depth = rec.family
+    found: dict[Node, dict[tuple[int, ...], int]] = defaultdict(lambda: defaultdict(int))
+    for key in rec.cached_casts & rec.savers.keys():
+        size, who = rec.savers[key]
+        savers = [w for w in who if w in line.spans]
+        if len(savers) < 2:
+            continue
+        top = lowest_common(set(savers), parent, depth)
+        node: Node | None = max(savers, key=lambda w: line.spans[w][1])
+        while node is not None and node is not top:
+            others = tuple(sorted(line.spans[w][1] for w in savers if not rec.within(w, node)))
+            found[node][others] += size
+            node = parent[node]
+    return {n: tuple((b, e) for e, b in groups.items()) for n, groups in found.items()}
+
+
+def _frees(rec: Recording, line: Timeline) -> Iterator[tuple[int, int, Node]]:
+    """``(storage key, bytes, node)`` for each node whose recompute frees the storage: one
+    saved for backward only inside the node's subtree, not its input, and not an output the
+    caller passes on (:func:`_passed_on`)."""
+    parent, depth = rec.family
+    consumers = _consumers(rec)
+    for key, (size, who) in rec.savers.items():
+        node: Node | None = lowest_common(who, parent, depth)
+        while node is not None:
+            if key not in rec.input_keys[node] and not _passed_on(rec, line, node, key, consumers):
+                yield key, size, node
+            node = parent[node]
 
 
 def _consumers(rec: Recording) -> dict[int, list[Node]]:
@@ -174,6 +227,8 @@ def released(rec: Recording, ends: dict[Node, int]) -> dict[Node, list[tuple[int
     parent, depth = rec.family
     found: dict[Node, list[tuple[int, int, int]]] = defaultdict(list)
     for key, (size, who) in rec.savers.items():
+        if key in rec.cached_casts:  # autocast's cache keeps it until the forward ends
+            continue
         r: Node | None = lowest_common(who, parent, depth)
         while r is not None and (key in rec.input_keys[r] or key in rec.output_keys[r]):
             r = parent[r]
@@ -206,6 +261,19 @@ def kept_cost(rec: Recording, node: Node, kept: Storages) -> int:
         if all(rec.within(p, node) for p in rec.kept_savers.get(uid, ())):
             lost += size
     return lost
+
+
+def kept_cached(rec: Recording, node: Node, kept: Storages) -> int:
+    """The bytes of :func:`cached_bytes` of ``node`` that a selective recompute keeping
+    ``kept`` does not free (kept casts saved only inside it)."""
+    return sum(
+        size
+        for uid, (key, size) in kept.items()
+        if key in rec.cached_casts
+        and key not in rec.input_keys[node]
+        and rec.kept_savers.get(uid)
+        and all(rec.within(p, node) for p in rec.kept_savers[uid])
+    )
 
 
 def held_from(
@@ -384,11 +452,13 @@ def _child_of(rec: Recording, node: Node, index: dict[Node, int], inner: Node) -
     return -1 if here is None else index.get(here, -1)
 
 
-def _gains(rec: Recording, node: Node) -> list[list[int]]:
+def _gains(rec: Recording, node: Node) -> tuple[list[list[int]], list[list[int]]]:
     """``gain[i][j]``: bytes saved only inside children ``i..j-1`` that run ``[i:j)`` frees,
-    counted at the shortest run that holds every saver."""
+    counted at the shortest run that holds every saver; and the part of it that autocast's
+    cast cache keeps until the forward ends (:func:`cached_bytes`)."""
     kids, index = node.children, _child_index(node)
     gain = [[0] * (len(kids) + 1) for _ in kids]
+    cached = [[0] * (len(kids) + 1) for _ in kids]
     for key, (size, who) in rec.savers.items():
         where = [_child_of(rec, node, index, p) for p in who]
         if min(where) < 0:
@@ -397,7 +467,9 @@ def _gains(rec: Recording, node: Node) -> list[list[int]]:
         for i in range(max(0, hi - MAX_RUN + 1), lo + 1):
             if key not in rec.input_keys[kids[i]]:
                 gain[i][hi + 1] += size
-    return gain
+                if key in rec.cached_casts:
+                    cached[i][hi + 1] += size
+    return gain, cached
 
 
 def _charges(rec: Recording, node: Node, i: int) -> list[int]:
@@ -421,16 +493,17 @@ def _runs_of(
     rec: Recording, line: Timeline, node: Node, gone: list[tuple[int, int, int]]
 ) -> list[Run]:
     kids, events = node.children, rec.events
-    gain = _gains(rec, node)
+    gain, cached_gain = _gains(rec, node)
     found = []
     for i in range(len(kids)):
         charges = _charges(rec, node, i)
         start_event = line.events[kids[i]][0]
-        freed = 0
+        freed = cached = 0
         first: tuple[int, int] | None = None  # the first use of what the run saved
         stop = (0, 0)  # its last save
         for j in range(i + 1, min(len(kids), i + MAX_RUN) + 1):
             freed += gain[i][j]
+            cached += cached_gain[i][j]
             use = rec.unpacked.get(kids[j - 1])
             if use is not None and (first is None or use < first):
                 first = use
@@ -445,5 +518,5 @@ def _runs_of(
             frees = freed - charges[j]
             peak = begins - frees + added if last in line.backward_now else 0
             held_from = _run_held_from(rec, line, kids[i:j], gone)
-            found.append(Run(i, j, frees, peak, charges[j], held_from))
+            found.append(Run(i, j, frees, peak, charges[j], held_from, cached))
     return found

@@ -102,6 +102,7 @@ class WayCost:
     held_from: tuple[tuple[int, int], ...] = ()
     recompute_peak: int = 0
     kept_changed: bool = False
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,14 @@ class NodeCost:
     counted unless the nodes holding the first copies are recomputed too (the planner works
     that out from the plan), ``recast.moments`` the stretches of its backward while they
     live; not in ``recompute_peak``.
+    ``cached``: the part of ``freed`` that stays live until the forward ends whether or not
+    the node is checkpointed (under autocast, the weight casts autocast's cast cache keeps
+    until its region ends, :func:`autoremat.costs.model.cached_bytes`): recomputing the node
+    frees ``freed - cached`` at the points of the forward after it, ``freed`` after the
+    forward. ``shared_casts``: such casts that nodes before it saved too (a shared module's
+    weights), ``(bytes, ends of those nodes)``: freed after the forward, from its end, when
+    those nodes are recomputed too (:func:`autoremat.costs.model.shared_casts`; the planner
+    works that out from the plan), in any way.
     """
 
     path: str
@@ -158,6 +167,8 @@ class NodeCost:
     op_seconds: float = 0.0
     ways: tuple[WayCost, ...] = ()
     recast: Recast = field(default_factory=Recast)
+    cached: int = 0
+    shared_casts: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def way(self, name: str) -> WayCost:
         """The selective way called ``name``; ``KeyError`` naming the ways if none."""
@@ -375,6 +386,8 @@ class _Assembly:
     def __init__(self, rec: Recording, line: Timeline, times: _Times) -> None:
         self.rec, self.line, self.times = rec, line, times
         self.freed, self.charged = cost_model.freed_bytes(rec, line)
+        self.cached = cost_model.cached_bytes(rec, line)
+        self.shared = cost_model.shared_casts(rec, line)
         ends = {node: end for node, (_, end) in line.spans.items()}
         self.released = cost_model.released(rec, ends)
         self.reads = cost_model.cast_reads_within(rec)
@@ -440,6 +453,8 @@ class _Assembly:
             op_seconds=seconds,
             ways=ways,
             recast=self.recasts.get(node, Recast()),
+            cached=self.cached[node],
+            shared_casts=self.shared.get(node, ()),
         )
         return kept
 
@@ -476,4 +491,5 @@ class _Assembly:
             recompute_peak=self._peak(node, freed, kept),
             op_seconds=max(0.0, seconds - kept_seconds),
             kept_changed=any(uid in self.rec.changed for uid in kept),
+            cached=self.cached[node] - cost_model.kept_cached(self.rec, node, kept),
         )

@@ -99,6 +99,8 @@ class _Builder:
             written=cost.written,
             held=cost.held,
             held_from=cost.held_from,
+            cached=cost.cached,
+            shared_casts=cost.shared_casts,
             other_ways=self.other_ways(node, cost),
             seconds=self.timed(cost, FULL),
             recasts=cost.recast.groups,
@@ -118,6 +120,7 @@ class _Builder:
                 r.recompute_peak + sum(_buffer_bytes(c.module) for c in kids[r.i : r.j]),
                 r.held,
                 r.held_from,
+                r.cached,
             )
             for r in cost.runs
             if not kids[r.i].inplace_reason and not any(c.replay_reason for c in kids[r.i : r.j])
@@ -131,8 +134,8 @@ class _Builder:
         for way in cost.ways if self.selective else ():
             if way.freed <= 0 or way.flops >= cost.flops or way.kept_changed:
                 continue  # frees nothing, keeps nothing worth keeping, or would fail
-            key = (way.freed, way.flops, way.held, way.held_from)
-            if any((o.freed, o.flops, o.held, o.held_from) == key for o in found):
+            key = (way.freed, way.flops, way.held, way.held_from, way.cached)
+            if any((o.freed, o.flops, o.held, o.held_from, o.cached) == key for o in found):
                 continue  # the same as a way already offered (no batched matmuls here)
             found.append(
                 Item(
@@ -145,6 +148,8 @@ class _Builder:
                     written=way.written,
                     held=way.held,
                     held_from=way.held_from,
+                    cached=way.cached,
+                    shared_casts=cost.shared_casts,
                     way=way.way,
                     seconds=self.timed(cost, way.way),
                     recasts=cost.recast.groups,

@@ -14,7 +14,9 @@ Pure: it reads :class:`Item` trees and points, and knows nothing of models, prof
   Recomputing a set ``S`` of nodes, never one inside another, lowers that moment to
   ``bytes - sum(freed[s] for s in S if end[s] < p)``: before a node's backward starts, its
   activations are gone; once it starts, the recompute brings them all back, exactly as they
-  were in the step without recompute, gradients and all. The recompute itself adds the point
+  were in the step without recompute, gradients and all. At the points of the forward a node
+  frees ``freed[s] - cached[s]`` (:attr:`Item.cached`: under autocast, the weight casts the
+  cast cache keeps until the forward ends). The recompute itself adds the point
   ``(start[s], recompute_peak[s])``: the most live bytes while it runs, temporaries included
   (:class:`autoremat.NodeCost`), plus its :attr:`Item.recasts` whose holders are not
   all in ``S`` (under autocast, the weight casts it makes again while the first copies
@@ -31,7 +33,8 @@ Pure: it reads :class:`Item` trees and points, and knows nothing of models, prof
   ``S`` empty it is the profiled peak itself.
 
 The solver is exact under that model: a dynamic programme over the tree in execution order
-whose state is the set of Pareto-optimal ``(bytes freed so far, cost so far)`` pairs. At each
+whose state is the set of Pareto-optimal ``(bytes freed so far, cost so far)`` pairs (when an
+item has :attr:`Item.cached`, triples: the bytes freed at the points of the forward too). At each
 node it either recomputes the node whole, in any of its ways (allowed when every point inside
 the node's span already fits with what was freed before it), or, for a plain
 ``nn.Sequential``, a run of two or more consecutive children as one, or descends into its
@@ -69,8 +72,8 @@ TIE_PER_BYTE = 1e-3
 __all__ = ["Infeasible", "Item", "RunCost", "min_peak", "predict_peak", "solve"]
 
 # A run [i:j) of a node's children recomputed as one (a plain Sequential): (i, j, freed, flops,
-# recompute_peak, held, held_from), the last five as :class:`Item` has them
-RunCost = tuple[int, int, int, int, int, int, tuple[tuple[int, int], ...]]
+# recompute_peak, held, held_from, cached), the last six as :class:`Item` has them
+RunCost = tuple[int, int, int, int, int, int, tuple[tuple[int, int], ...], int]
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,18 @@ class Item:
     # recompute in each stretch of its backward, with the recasts still live then
     recasts: tuple[tuple[int, tuple[int, ...]], ...] = ()
     recast_moments: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # the part of ``freed`` that stays live until the forward ends (under autocast, the weight
+    # casts its forward made, which autocast's cast cache keeps until its region ends): at
+    # the points of the forward the item frees ``freed - cached``, after it ``freed``
+    cached: int = 0
+    # such casts that items before it saved too (a shared module's weights): (bytes, ends of
+    # those nodes), freed after the forward, from its end, when every one of them is chosen
+    shared_casts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    @property
+    def freed_in_forward(self) -> int:
+        """What recomputing it frees at the points of the forward after its end."""
+        return self.freed - self.cached
 
     def run_item(
         self,
@@ -116,6 +131,7 @@ class Item:
         recompute_peak: int,
         held: int = 0,
         held_from: tuple[tuple[int, int], ...] = (),
+        cached: int = 0,
     ) -> Item:
         """The run ``[i:j)`` of this node's children as one item, named ``path[i:j]``; its
         bytes written and seconds are its children's."""
@@ -130,6 +146,7 @@ class Item:
             recompute_peak=recompute_peak,
             held=held,
             held_from=held_from,
+            cached=cached,
             written=sum(k.written for k in kids),
             seconds=None if None in seconds else sum(seconds),  # type: ignore[arg-type]
         )
@@ -138,13 +155,7 @@ class Item:
         """When ``chosen`` (never one inside another) are recomputed, the bytes of
         :attr:`recasts` its recompute adds (those without holders or with a holder no chosen
         item covers), and its backward's moments ``(point, bytes)`` with them."""
-        spans = sorted((c.end, c.start) for c in chosen)
-        ends = [e for e, _ in spans]
-
-        def covered(h: int) -> bool:  # the first chosen item ending at or after h covers it?
-            k = bisect.bisect_left(ends, h)
-            return k < len(spans) and spans[k][1] <= h
-
+        covered = _covering(chosen)
         counted = [
             not holders or not all(covered(h) for h in holders) for _, holders in self.recasts
         ]
@@ -154,6 +165,14 @@ class Item:
         ]
         extra = sum(size for (size, _), count in zip(self.recasts, counted, strict=True) if count)
         return extra, moments
+
+    def shared_freed(self, chosen: Sequence[Item]) -> int:
+        """The bytes of :attr:`shared_casts` it frees after the forward when ``chosen`` are
+        recomputed: those whose other savers ``chosen`` all cover."""
+        if not self.shared_casts:
+            return 0
+        covered = _covering(chosen)
+        return sum(b for b, ends in self.shared_casts if all(covered(e) for e in ends))
 
     def recast_peak(self, chosen: Sequence[Item]) -> int:
         """The most live bytes its recompute and backward reach with the recasts ``chosen``
@@ -181,20 +200,23 @@ class Item:
         ``start`` after it)."""
         return self.held
 
-    def worst_inside(self, forward: Sequence[int], backward: Sequence[int]) -> int:
+    def worst_inside(self, forward: Sequence[int], backward: Sequence[int]) -> tuple[int, int]:
         """The most bytes live at the points inside the span when this item is checkpointed,
-        given the most live at each point ``p`` in the step without recompute, in its forward
-        (``forward[p]``) and after (``backward[p]``); 0 when the span has no point."""
-        worst, extra, begin = 0, self.held, self.start + 1
+        in its forward and after it, given the most live at each point ``p`` in the step
+        without recompute, in its forward (``forward[p]``) and after (``backward[p]``);
+        :data:`NONE` for a phase without a point in the span."""
+        during, after, extra, begin = NONE, NONE, self.held, self.start + 1
         stop = min(self.end + 1, len(forward), len(backward))
         if self.start < stop:
-            worst = max(backward[self.start : stop]) + self.held_in_backward
+            most = max(backward[self.start : stop])
+            after = most + self.held_in_backward if most > NONE else NONE
         for p, b in (*self.held_from, (stop, 0)):
             if p > begin and begin < stop:
-                worst = max(worst, max(forward[begin : min(p, stop)]) + extra)
+                most = max(forward[begin : min(p, stop)])
+                during = max(during, most + extra if most > NONE else NONE)
                 begin = p
             extra += b
-        return worst
+        return during, after
 
     @property
     def cost(self) -> float:
@@ -215,6 +237,19 @@ class Item:
         return out
 
 
+def _covering(chosen: Sequence[Item]) -> Any:
+    """Whether a node (by its ``end``) is inside one of ``chosen`` (never one inside another):
+    the first chosen item ending at or after it begins at or before it."""
+    spans = sorted((c.end, c.start) for c in chosen)
+    ends = [e for e, _ in spans]
+
+    def covered(h: int) -> bool:
+        k = bisect.bisect_left(ends, h)
+        return k < len(spans) and spans[k][1] <= h
+
+    return covered
+
+
 class Infeasible(ValueError):
     """No set of modules brings the predicted peak under the budget."""
 
@@ -233,48 +268,83 @@ def predict_peak(
     its recompute and at the moments of its backward while they live
     (:meth:`Item.recast_with`)."""
     recast = {id(s): s.recast_with(chosen) for s in chosen}
-    moments = [
+    after = [
         *(
             (p, b + sum(s.held_in_backward for s in chosen if s.start <= p <= s.end))
             for p, b in points
         ),
-        *((p, b + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)) for p, b in forward),
         *((s.start, s.recompute_peak + recast[id(s)][0]) for s in chosen),
         *(m for s in chosen for m in recast[id(s)][1]),
     ]
-    if not moments:
-        return 0
-    return max(b - sum(s.freed for s in chosen if s.end < p) for p, b in moments)
+    during = [
+        (p, b + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)) for p, b in forward
+    ]
+    freed = {id(s): s.freed + s.shared_freed(chosen) for s in chosen}
+    return max(
+        [
+            *(b - sum(freed[id(s)] for s in chosen if s.end < p) for p, b in after),
+            *(b - sum(s.freed_in_forward for s in chosen if s.end < p) for p, b in during),
+        ],
+        default=0,
+    )
 
 
-# A state of the dynamic programme: (-bytes freed so far, cost so far, tie-break, chosen),
-# where chosen is a linked list (item, rest). Tuples sort natively: most freed, then cheapest.
-_State = tuple[int, float, int, Any]
+# A state of the dynamic programme: (-bytes freed so far, cost so far, tie-break, chosen,
+# -bytes freed so far at the points of the forward), where chosen is a linked list (item,
+# rest). Tuples sort natively: most freed, then cheapest (the tie-break is unique).
+_State = tuple[int, float, int, Any, int]
 
 
-def _merge(parts: list[list[_State]], grid: int) -> list[_State]:
+def _merge(parts: list[list[_State]], grid: int, phased: bool = False) -> list[_State]:
     """The states of ``parts`` (each sorted, most freed first) that no other state beats on
-    both bytes freed and cost; past ``MAX_STATES``, one per ``grid`` bytes freed: the one that
-    freed most, so that no feasible answer is lost."""
+    bytes freed and cost (``phased``: and on bytes freed in the forward); past
+    ``MAX_STATES``, per ``grid`` bytes freed the one that freed most (``phased``: and the one
+    that freed most in the forward), so that no feasible answer is lost."""
     parts = [p for p in parts if p]
     if len(parts) <= 1:
         return parts[0] if parts else []
+    # (sorting the concatenated runs: timsort merges them, comparing tuples in C)
+    states = sorted(itertools.chain.from_iterable(parts))
+    kept = _pareto(states) if phased else _cheaper(states)
+    if len(kept) <= MAX_STATES:
+        return kept
+    thinned: dict[int, list[_State]] = {}
+    for s in kept:
+        bucket = thinned.setdefault(-s[0] // grid, [s])
+        if phased and s[4] < bucket[-1][4]:
+            bucket[1:] = [s]
+    return [s for bucket in thinned.values() for s in bucket]
+
+
+def _cheaper(states: list[_State]) -> list[_State]:
+    """The states (most freed first) cheaper than every state that freed more."""
     kept: list[_State] = []
     best = math.inf
-    # (sorting the concatenated runs: timsort merges them, comparing tuples in C)
-    for s in sorted(itertools.chain.from_iterable(parts)):
+    for s in states:
         if s[1] < best:
             kept.append(s)
             best = s[1]
-    if len(kept) <= MAX_STATES:
-        return kept
-    thinned: list[_State] = []
-    bucket = None
-    for s in kept:
-        if -s[0] // grid != bucket:
-            bucket = -s[0] // grid
-            thinned.append(s)
-    return thinned
+    return kept
+
+
+def _pareto(states: list[_State]) -> list[_State]:
+    """The states (most freed first) that no state freeing as much beats on both cost and
+    bytes freed in the forward."""
+    kept: list[_State] = []
+    # a staircase of the kept states: bytes freed in the forward, most first (negated), and
+    # the least cost among those freeing at least as much, falling along it
+    forward: list[int] = []
+    costs: list[float] = []
+    for s in states:
+        k = bisect.bisect_right(forward, s[4])
+        if k and costs[k - 1] <= s[1]:
+            continue
+        kept.append(s)
+        j = k
+        while j < len(costs) and costs[j] >= s[1]:
+            j += 1
+        forward[k:j], costs[k:j] = [s[4]], [s[1]]
+    return kept
 
 
 def solve(
@@ -291,7 +361,7 @@ def solve(
         Infeasible: no set fits; :func:`min_peak` gives the lowest reachable peak.
     """
     solver = _Solver(root, points, budget, forward)
-    states = solver.check([(0, 0.0, next(solver.counter), None)], -1, root.start)
+    states = solver.check([(0, 0.0, next(solver.counter), None, 0)], -1, root.start)
     states = solver.check(solver.run(root, states), root.end, solver.top)
     if not states:
         raise Infeasible(f"no recompute plan has a predicted peak <= {budget} bytes")
@@ -338,6 +408,10 @@ class _Solver:
             *(w.recast_peak(()) - budget for i in root.walk() for w in (i, *i.other_ways)),
         )
         self.grid = max(1, -(-self.cap // MAX_STATES))
+        # some item frees less in the forward than after it: states carry both
+        self.phased = any(
+            w.cached or w.shared_casts for i in root.walk() for w in (i, *i.other_ways)
+        ) or any(r[7] for i in root.walk() for r in i.runs)
         self.counter = itertools.count()
         self.useful: dict[int, bool] = {}
         self._mark(root)
@@ -353,29 +427,47 @@ class _Solver:
         bytes freed, most first."""
         return states[: bisect.bisect_right(states, (self.budget - worst, math.inf))]
 
+    def forward_fits(self, states: list[_State], worst: int) -> list[_State]:
+        """The states in which ``worst`` live bytes at a point of the forward fit."""
+        if not self.phased:  # (bytes freed are the same in both phases)
+            return self.feasible(states, worst)
+        return [s for s in states if s[4] <= self.budget - worst]
+
     def check(self, states: list[_State], lo: int, hi: int) -> list[_State]:
         """Keep the states under budget at every point ``p`` with ``lo < p <= hi``."""
-        return self.feasible(states, max(self.need[max(lo + 1, 0) : hi + 1], default=0))
+        span = slice(max(lo + 1, 0), hi + 1)
+        if not self.phased:
+            return self.feasible(states, max(self.need[span], default=0))
+        after = self.feasible(states, max(self.after[span], default=0))
+        return self.forward_fits(after, max(self.during[span], default=0))
 
     def take(self, item: Item, states: list[_State]) -> list[_State]:
         """The states in which recomputing ``item`` whole fits, with it recomputed."""
-        if item.held_from:
-            worst = item.worst_inside(self.during, self.after)
+        if item.held_from or self.phased:
+            during, after = item.worst_inside(self.during, self.after)
         else:  # the same in both phases (the common case, kept fast)
             inside = max(self.need[item.start + 1 : item.end + 1], default=NONE)
-            worst = max(inside, self.after[item.start] if item.start <= self.top else NONE)
-            worst = worst + item.held if worst > NONE else 0
-        fits = self.feasible(states, max(worst, item.recompute_peak))
+            after = max(inside, self.after[item.start] if item.start <= self.top else NONE)
+            after = during = after + item.held if after > NONE else 0
+        fits = self.feasible(states, max(after, item.recompute_peak))
+        fits = self.forward_fits(fits, during)
         if item.recasts:
             fits = [s for s in fits if self.recasts_fit(item, s)]
-        # those that reach the cap become equal: keep the cheapest (the last) of them
         cap = self.cap
-        capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
-        fits = fits[max(0, capped - 1) :]
-        freed, cost, link = item.freed, item.cost, item
+        if not self.phased:  # those that reach the cap become equal: keep the cheapest (last)
+            capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
+            fits = fits[max(0, capped - 1) :]
+        freed, forward, cost, link = item.freed, item.freed_in_forward, item.cost, item
+        shared = [item.shared_freed(_chosen(s)) if item.shared_casts else 0 for s in fits]
         return [
-            (-(f if (f := freed - s[0]) < cap else cap), s[1] + cost, k, (link, s[3]))
-            for s, k in zip(fits, self.counter, strict=False)
+            (
+                -min(freed + more - s[0], cap),
+                s[1] + cost,
+                k,
+                (link, s[3]),
+                -min(forward - s[4], cap),
+            )
+            for s, more, k in zip(fits, shared, self.counter, strict=False)
         ]
 
     def recasts_fit(self, item: Item, state: _State) -> bool:
@@ -391,16 +483,18 @@ class _Solver:
             return self.check(states, item.start, item.end)
         kids = item.children
         runs: dict[int, list[tuple[int, Item]]] = {}
-        for i, j, freed, flops, peak, held, held_from in item.runs if item.candidate else ():
+        for i, j, freed, flops, peak, held, held_from, cached in (
+            item.runs if item.candidate else ()
+        ):
             if freed > 0:
-                run = item.run_item(i, j, freed, flops, peak, held, held_from)
+                run = item.run_item(i, j, freed, flops, peak, held, held_from, cached)
                 runs.setdefault(i, []).append((j, run))
         # arriving[k]: states that have passed children 0..k-1 (k = len(kids): all of them)
         arriving: list[list[list[_State]]] = [[] for _ in range(len(kids) + 1)]
         arriving[0] = [states]
         cursor = item.start
         for k, child in enumerate(kids):
-            here = self.check(_merge(arriving[k], self.grid), cursor, child.start)
+            here = self.check(_merge(arriving[k], self.grid, self.phased), cursor, child.start)
             if self.useful[id(child)]:
                 arriving[k + 1].append(self.run(child, here))
             else:  # nothing to choose: check the points of its span not checked yet
@@ -408,8 +502,9 @@ class _Solver:
             for j, whole in runs.get(k, []):
                 arriving[j].append(self.take(whole, here))
             cursor = max(cursor, child.end)
-        inside = self.check(_merge(arriving[len(kids)], self.grid), cursor, item.end)
-        return _merge([inside, *(self.take(whole, states) for whole in item.wholes())], self.grid)
+        inside = self.check(_merge(arriving[len(kids)], self.grid, self.phased), cursor, item.end)
+        taken = [self.take(whole, states) for whole in item.wholes()]
+        return _merge([inside, *taken], self.grid, self.phased)
 
 
 def min_peak(

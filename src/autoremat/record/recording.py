@@ -112,6 +112,10 @@ class Recording:
     # its grad_fns held it: (node, storage key) -> event index
     unpack_events: dict[Node, int] = field(default_factory=dict)
     cast_unpacks: dict[tuple[Node, int], int] = field(default_factory=dict)
+    # the storage keys of the casts autocast's cast cache keeps until the forward's autocast
+    # region ends (a weight's copy in the lower precision: a float32 leaf that requires grad),
+    # whoever saved them: a checkpointed module does not free them during the forward
+    cached_casts: set[int] = field(default_factory=set)
 
     @functools.cached_property
     def family(self) -> tuple[dict[Node, Node | None], dict[Node, int]]:
@@ -137,12 +141,15 @@ class OpCosts(TorchDispatchMode):
         own: dict[Node, OwnOps],
         clock: Callable[[], int],
         preexisting: frozenset[int] = frozenset(),
+        cast_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.stack = stack
         self.own = own
         self.clock = clock
         self.preexisting = preexisting  # storage keys of parameters, buffers and inputs
+        self.cast_dtype = cast_dtype  # the autocast's lower precision (None: no autocast)
+        self.cached: set[int] = set()  # storage keys of the casts autocast's cache keeps
         # the copies made of parameters, buffers and inputs (``_to_copy``, as autocast casts a
         # weight): storage key -> (bytes, the node whose op made it)
         self.casts: dict[int, tuple[int, Node]] = {}
@@ -174,7 +181,8 @@ class OpCosts(TorchDispatchMode):
                 new[key] = t.untyped_storage().nbytes()
                 self.current.pop(key, None)
                 self.casts.pop(key, None)
-        self._casts(func, seen, new)
+                self.cached.discard(key)
+        self._casts(func, (args, kwargs), seen, new)
         written = sum(new.values())
         own.flops += flops
         own.written += written
@@ -182,7 +190,9 @@ class OpCosts(TorchDispatchMode):
         self._keep(func, args, kwargs, own, flops, written, new)
         return out
 
-    def _casts(self, func: Any, seen: set[int | None], new: dict[int, int]) -> None:
+    def _casts(
+        self, func: Any, given: tuple[Any, Any], seen: set[int | None], new: dict[int, int]
+    ) -> None:
         """Note the copies ``func`` made of a parameter, buffer or input (``_to_copy``, as
         autocast casts a weight), and the copies another node made that it reads."""
         here = self.stack[-1]
@@ -192,6 +202,23 @@ class OpCosts(TorchDispatchMode):
                 self.cast_reads[here][key] = made  # type: ignore[index]
         if func is torch.ops.aten._to_copy.default and not self.preexisting.isdisjoint(seen):
             self.casts.update((key, (size, here)) for key, size in new.items())
+            if self._cached(*given):
+                self.cached.update(new)
+
+    def _cached(self, args: Any, kwargs: Any) -> bool:
+        """Whether this ``_to_copy`` is one autocast's cast cache keeps until its region ends:
+        a float32 leaf that requires grad, not a view, cast to the autocast's lower precision
+        (``cached_cast`` in ATen's ``autocast_mode.h``; :class:`MetaAutocast` on ``meta``)."""
+        source = args[0] if args else None
+        return (
+            self.cast_dtype is not None
+            and kwargs.get("dtype") == self.cast_dtype
+            and isinstance(source, torch.Tensor)
+            and source.is_leaf
+            and source.requires_grad
+            and source.dtype == torch.float32
+            and not source._is_view()
+        )
 
     def _changes(self, func: Any, args: Any, kwargs: Any) -> None:
         """Note the kept outputs that ``func`` writes to in place (``add_``, ``out=``)."""
@@ -236,7 +263,13 @@ class _Recorder:
     began. The root's first call is made before the step, so that what runs outside the
     model's forward (the loss) is the root's."""
 
-    def __init__(self, model: nn.Module, tree: Node, inputs: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tree: Node,
+        inputs: list[torch.Tensor],
+        cast_dtype: torch.dtype | None = None,
+    ) -> None:
         self.root = _call_of(tree, 0)
         self.stack: list[Node] = [self.root]
         self.memory = LiveMemory()
@@ -265,11 +298,16 @@ class _Recorder:
             unpacked={},
         )
         self.costs = OpCosts(
-            self.stack, self.rec.own_ops, lambda: len(self.rec.events), self.preexisting
+            self.stack,
+            self.rec.own_ops,
+            lambda: len(self.rec.events),
+            self.preexisting,
+            cast_dtype,
         )
         self.rec.born = self.costs.born
         self.rec.changed = self.costs.changed
         self.rec.cast_reads = self.costs.cast_reads
+        self.rec.cached_casts = self.costs.cached
 
     def mark(self, kind: str, node: Node) -> None:
         self.rec.events.append((kind, node, self.memory.peak, self.memory.current))
@@ -415,7 +453,7 @@ def record_step(
     wrapped (on ``meta`` too: :func:`~autoremat.core.huggingface.ordinary_positions_on_meta`),
     unless ``hf_cache``. The model is left as it was found."""
     inputs = [t for _, t in iter_tensors((args, kwargs))]
-    rec = _Recorder(model, tree, inputs)
+    rec = _Recorder(model, tree, inputs, autocast[1] if autocast is not None else None)
     handles = []
     for m in {id(n.module): n.module for n in tree.walk()}.values():
         handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))

@@ -40,10 +40,12 @@ from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.planning.plans import Plan
 from autoremat.record.step import Autocast, LossFn, StepHow, autocast_spec
 from autoremat.record.tree import ExampleInputsError
-from autoremat.training.device_model import DeviceModel, device_model
+from autoremat.training.device_model import DeviceModel, available_memory, device_model
 from autoremat.training.measure_training import TrainingMeasurement, measure_training
 from autoremat.training.optimizer_memory import OptimizerLike, OptimizerMemory, optimizer_memory
-from autoremat.training.step_memory import StepMemory, step_memory
+from autoremat.training.plan_for_device import plan_fitting
+from autoremat.training.scaled_profile import NotScalable, ScaledProfiles
+from autoremat.training.step_memory import StepMemory, checkpointed_calls, step_memory
 from autoremat.wrap.wrapping import remove
 
 __all__ = [
@@ -73,6 +75,7 @@ class Candidate:
     without: StepMemory
     plan: Plan | None
     seconds: float
+    output_bytes: int = 0  # the model's output at this batch
 
     @property
     def samples_per_second(self) -> float:
@@ -93,6 +96,8 @@ class Fit:
     measured: TrainingMeasurement | None = None
     objective: str = "batch"
     chosen: Candidate | None = field(default=None, repr=False)
+    # why the check on the device did not run ("": it ran, or verify=False / meta)
+    not_verified: str = ""
 
     @property
     def fits(self) -> bool | None:
@@ -100,7 +105,7 @@ class Fit:
         allocator's most reserved bytes plus the runtime's, elsewhere the tensors'."""
         if self.measured is None:
             return None
-        return self.seen <= self.device.total
+        return self.seen <= self.device.limit
 
     @property
     def seen(self) -> int:
@@ -119,10 +124,17 @@ class Fit:
         ]
         if self.chosen is not None:
             lines += ["predicted memory:", str(self.chosen.memory)]
+            lines.append(
+                f"assumed: each step's tensors are freed before the next forward; a loop that "
+                f"keeps the output alive through it needs {format_size(self.chosen.output_bytes)} "
+                f"more (reserve=..., --reserve)"
+            )
         if self.measured is not None:
             lines.append(f"measured: {self.measured} ({'fits' if self.fits else 'DOES NOT FIT'})")
         elif self.device.device == "meta":
             lines.append("measured: not verified (the model is on meta, where nothing runs)")
+        elif self.not_verified:
+            lines.append(f"measured: not verified ({self.not_verified})")
         else:
             lines.append("measured: not verified (verify=False)")
         lines.append("candidates: batch, predicted device memory, predicted samples/s")
@@ -163,10 +175,13 @@ class _Probe:
     inputs: tuple[Any, dict[str, Any]]
     profile: Profile
     lowest: StepMemory
+    lowest_plan: Plan | None = None  # the plan at the lowest budget, when its calls count
 
 
 class _Prober:
-    """Profiles the model's ``meta`` shadow at batch sizes, each once."""
+    """Profiles the model's ``meta`` shadow at batch sizes, each once; or, for a model whose
+    step cannot run on ``meta``, scales real steps at small batches
+    (:mod:`autoremat.training.scaled_profile`)."""
 
     def __init__(self, model: nn.Module, make_inputs: Inputs, opt: OptimizerMemory,
                  dm: DeviceModel, loss_fn: LossFn | None, selective: bool,
@@ -178,18 +193,60 @@ class _Prober:
         self.plain: dict[int, StepMemory] = {}
         self.caches = bool(cache_modules(self.shadow))  # a Hugging Face model's
         self.progress = Progress("fitting", 40, "batch sizes profiled on meta")
+        self.scaled: ScaledProfiles | None = None
+        self.not_on_meta = ""  # why the step cannot run on meta, once it could not
 
     def probe(self, batch: int) -> _Probe:
         if batch not in self.seen:
             with torch.device("meta"):
                 args, kwargs = self.make_inputs(batch)
             args, kwargs = tree_map(_on_meta, (args, kwargs))
-            prof = profile(self.shadow, args, kwargs, loss_fn=self.loss_fn, autocast=self.autocast)
+            prof = self.profile(batch, args, kwargs)
             low = profile_lowest(prof, selective=self.selective)
-            memory = step_memory(self.shadow, (args, kwargs), low, self.opt, self.dm)
-            self.seen[batch] = _Probe(batch, (args, kwargs), prof, memory)
+            plan = None  # (the RNG states its checkpoints keep count on this device)
+            if self.dm.rng_state and low < prof.peak:
+                plan = plan_from_profile(self.model, prof, low, selective=self.selective)
+            calls = checkpointed_calls(plan, prof)
+            memory = step_memory(self.shadow, (args, kwargs), low, self.opt, self.dm, calls)
+            self.seen[batch] = _Probe(batch, (args, kwargs), prof, memory, plan)
             self.progress.step(f"batch {batch}")
         return self.seen[batch]
+
+    def profile(self, batch: int, args: Any, kwargs: Any) -> Profile:
+        """The step's profile at ``batch`` (``args``, ``kwargs`` on ``meta``): the shadow's,
+        or, once the shadow cannot run and the real model can, scaled from real steps."""
+        if self.scaled is None:
+            try:
+                return profile(self.shadow, args, kwargs, loss_fn=self.loss_fn,
+                               autocast=self.autocast)  # fmt: skip
+            except Exception as exc:
+                if model_device(self.model).type == "meta":
+                    raise
+                first = self.real(batch)  # (its own error, when the real step fails too)
+                self.not_on_meta = str(exc).splitlines()[0][:200]
+                self.scaled = ScaledProfiles(self.real, batch, first)
+                logger.warning(
+                    "fit: %s cannot be sized on meta (%s): sizing it from real steps on %s "
+                    "at batches %d, %d and %d, scaled", type(self.model).__name__,
+                    self.not_on_meta, model_device(self.model), 2 * batch, 4 * batch, 6 * batch,
+                )  # fmt: skip
+        try:
+            return self.scaled.at(batch)
+        except NotScalable as exc:
+            raise NotScalable(
+                f"fit cannot size {type(self.model).__name__}: its step cannot run on meta "
+                f"({self.not_on_meta}), and scaling real steps fails: {exc}. Plan a fixed "
+                f"batch instead (autoremat.plan_for_device(model, args, kwargs, "
+                f"device_memory=...))"
+            ) from None
+
+    def real(self, batch: int) -> Profile:
+        """A real step of the model on its device at ``batch``, profiled."""
+        device = model_device(self.model)
+        args, kwargs = tree_map(
+            lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, self.make_inputs(batch)
+        )
+        return profile(self.model, args, kwargs, loss_fn=self.loss_fn, autocast=self.autocast)
 
     def without(self, batch: int) -> StepMemory:
         """The whole step's memory of the model's own step at ``batch``, no recompute: a
@@ -198,7 +255,7 @@ class _Prober:
         if batch not in self.plain:
             probe = self.probe(batch)
             peak = probe.profile.peak
-            if self.caches:
+            if self.caches and self.scaled is None:  # (scaled: priced without the cache)
                 args, kwargs = probe.inputs
                 how = {"loss_fn": self.loss_fn, "autocast": self.autocast, "hf_cache": True}
                 peak = profile(self.shadow, args, kwargs, **how).peak  # type: ignore[arg-type]
@@ -207,7 +264,7 @@ class _Prober:
 
     def fits(self, batch: int, recompute: bool = True) -> bool:
         memory = self.probe(batch).lowest if recompute else self.without(batch)
-        return memory.device <= self.dm.total
+        return memory.device <= self.dm.limit
 
     def smallest_running(self, top: int) -> int:
         """The smallest of 1, 2, 4, ... (up to ``top``) whose step runs: a model normalising
@@ -247,11 +304,14 @@ class _Prober:
         room = self.dm.for_tensors() - probe.lowest.resident
         chosen = None
         if room < probe.profile.peak:  # (the largest batch is near its lowest budget by design)
-            chosen = plan_from_profile(self.model, probe.profile, room, selective=self.selective)
+            chosen = plan_fitting(self.model, probe.profile, room, self.dm.rng_state,
+                                  self.selective, fallback=probe.lowest_plan)  # fmt: skip
         peak = probe.profile.peak if chosen is None else chosen.estimated_peak or 0
-        memory = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm)
+        calls = checkpointed_calls(chosen, probe.profile)
+        memory = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm, calls)
         seconds = step_seconds(probe.profile, chosen)
-        return Candidate(batch, memory, self.without(batch), chosen, seconds)
+        out = probe.profile[probe.profile.tree.path].output_bytes
+        return Candidate(batch, memory, self.without(batch), chosen, seconds, out)
 
 
 def _on_meta(value: Any) -> Any:
@@ -270,6 +330,7 @@ def fit(
     max_batch: int = 2**16,
     selective: bool = True,
     verify: bool = True,
+    reserve: int | str = 0,
 ) -> Fit:
     """The largest batch of ``model`` whose training step fits ``device_memory``, and the
     cheapest plan for it (module docstring).
@@ -280,24 +341,23 @@ def fit(
     bytes, a size (``"24GiB"``) or a fraction (``"90%"``) of the model's device
     (:mod:`autoremat.training.device_model`). ``optimizer``: a name (``"sgd"``, ``"adam"``,
     ``"adamw"``), an optimizer to copy, a function from parameters to one, or ``None``.
-    ``autocast`` (``torch.bfloat16``: the model's device's autocast, ``cuda`` for a model on
-    ``meta``; or ``(device_type, dtype)``): the step's forward and loss run under
-    ``torch.autocast``; sized on ``meta`` with autocast's casts made there
-    (:mod:`autoremat.record.autocast_meta`).
-    ``objective``: ``"batch"`` (the largest batch) or ``"throughput"`` (of the largest batch
-    and a few smaller ones, the most predicted samples per second). With ``verify``, the plan
-    is applied, real steps run at that batch on the model's device (not for a model on
-    ``meta``), and the model is put back as found. Logs and shows progress; the model must
-    not be wrapped.
+    ``autocast`` (``torch.bfloat16``: the model's device's, ``cuda``'s on ``meta``; or
+    ``(device_type, dtype)``): forward and loss under ``torch.autocast``, on ``meta`` with its
+    casts (:mod:`autoremat.record.autocast_meta`). ``objective``: ``"batch"`` (the largest) or
+    ``"throughput"`` (of it and a few smaller ones, the most predicted samples per second).
+    With ``verify``, the plan is applied, real steps run at that batch on the model's device
+    and the model is put back (not on ``meta``; not beyond a CPU machine's available RAM:
+    ``Fit.not_verified``). ``reserve`` (bytes, a size): left free, for a loop keeping an
+    output through the next forward (:class:`Fit` says how much) or anything else. Logs and
+    shows progress; the model must not be wrapped.
 
     Raises:
-        ValueError: even a batch of 1 does not fit (the message gives the memory it needs),
-            an unknown objective or optimizer, a malformed ``device_memory``.
+        ValueError: even a batch of 1 does not fit (the message gives what it needs), an
+            unknown objective or optimizer, a malformed ``device_memory`` or ``reserve``.
     """
     if objective not in FIT_OBJECTIVES:
         raise ValueError(f"objective must be one of {FIT_OBJECTIVES}, got {objective!r}")
-    device = model_device(model)
-    dm = device_model(device_memory, device)
+    dm = device_model(device_memory, model_device(model), reserve)
     spec = autocast_spec(autocast, model)
     opt = optimizer_memory(model, optimizer)
     prober = _Prober(model, make_inputs, opt, dm, loss_fn, selective, spec)
@@ -306,18 +366,50 @@ def fit(
         raise _none_fits(prober, max_batch)
     without = prober.largest(top, recompute=False)
     candidates = [prober.candidate(b) for b in _ladder(without, top, objective)]
-    best = max(candidates, key=lambda c: (c.samples_per_second, c.batch))
-    chosen = best if objective == "throughput" else candidates[-1]
+    fastest = max(candidates, key=lambda c: (c.samples_per_second, c.batch))
+    chosen = fastest if objective == "throughput" else candidates[-1]
     plan = chosen.plan or plan_from_profile(model, prober.probe(chosen.batch).profile, 1.0)
     if "left_out" in plan.warnings:
         logger.warning("%s", plan.warnings["left_out"])
     how: StepHow = (loss_fn, spec)
-    verify = verify and device.type != "meta"  # nothing runs on meta
-    measured = _verify(model, make_inputs, chosen.batch, plan, optimizer, how) if verify else None
-    found = Fit(chosen.batch, plan, dm, tuple(candidates), without, measured, objective, chosen)
+    measured, unsafe = _checked(model, make_inputs, chosen, plan, optimizer, how, verify)
+    found = Fit(chosen.batch, plan, dm, tuple(candidates), without, measured, objective, chosen,
+                unsafe)  # fmt: skip
     if found.fits is False:
         logger.warning("batch %d was predicted to fit but measured %s", chosen.batch, measured)
     return found
+
+
+def _checked(model: nn.Module, make_inputs: Inputs, chosen: Candidate, plan: Plan,
+             optimizer: OptimizerLike, how: StepHow,
+             verify: bool) -> tuple[TrainingMeasurement | None, str]:  # fmt: skip
+    """The check on the device (:func:`_verify`) unless not asked, on ``meta`` (nothing runs
+    there) or beyond what a CPU machine has available (then why, :func:`_beyond_available`)."""
+    device = model_device(model)
+    if not verify or device.type == "meta":
+        return None, ""
+    unsafe = _beyond_available(chosen, device)
+    if unsafe:
+        return None, unsafe
+    return _verify(model, make_inputs, chosen.batch, plan, optimizer, how), ""
+
+
+def _beyond_available(chosen: Candidate, device: torch.device) -> str:
+    """Why running the chosen step on a CPU would take more memory than the machine has
+    available now ("" when it would not): the check would push the host into swap or the
+    out-of-memory killer, where a GPU would only raise its out-of-memory error."""
+    if device.type == "cuda":
+        return ""
+    need, free = chosen.memory.device, available_memory(device)
+    if need <= free:
+        return ""
+    why = (
+        f"batch {chosen.batch} needs {format_size(need)} and this machine has "
+        f"{format_size(free)} available now; give a smaller device_memory to check on this "
+        f"machine, or check on the target device"
+    )
+    logger.warning("fit: the check on the device is skipped: %s", why)
+    return why
 
 
 def _none_fits(prober: _Prober, max_batch: int) -> ValueError:

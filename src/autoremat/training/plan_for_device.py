@@ -10,16 +10,16 @@ from torch import nn
 
 from autoremat.core.devices import model_device
 from autoremat.core.sizes import format_size
-from autoremat.costs.profile import profile
+from autoremat.costs.profile import Profile, profile
 from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.planning.plans import Plan
 from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.record.step import Autocast, LossFn, autocast_spec
 from autoremat.training.device_model import device_model
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
-from autoremat.training.step_memory import step_memory
+from autoremat.training.step_memory import checkpointed_calls, step_memory
 
-__all__ = ["plan_for_device"]
+__all__ = ["plan_fitting", "plan_for_device"]
 
 
 def plan_for_device(
@@ -33,12 +33,14 @@ def plan_for_device(
     selective: bool = True,
     objective: str = "time",
     autocast: Autocast | torch.dtype | None = None,
+    reserve: int | str = 0,
 ) -> Plan:
     """The cheapest plan whose whole training step (:mod:`autoremat.training.step_memory`) fits
     ``device_memory`` at these inputs: a budget plan whose budget is what the device leaves for the
     step once parameters, buffers, inputs and ``optimizer``'s state are in it (and, on CUDA, the
-    runtime and the allocator's share, :mod:`autoremat.training.device_model`). An empty plan when
-    no recompute is needed. Profiles one step (on ``meta`` too).
+    runtime and the allocator's share, :mod:`autoremat.training.device_model`; on the CPU the
+    RNG state each checkpoint keeps; ``reserve``, bytes or a size, left free). An empty plan
+    when no recompute is needed. Profiles one step (on ``meta`` too).
 
     Raises:
         BudgetTooLow: (a ValueError) the step does not fit even with the most recompute; the
@@ -48,7 +50,7 @@ def plan_for_device(
     device = model_device(model)
     spec = autocast_spec(autocast, model)
     prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec)
-    dm = device_model(device_memory, device)
+    dm = device_model(device_memory, device, reserve)
     memory = step_memory(model, (args, kwargs), prof.peak, optimizer_memory(model, optimizer), dm)
     room = dm.for_tensors() - memory.resident
     lowest = profile_lowest(prof, selective=selective, objective=objective)
@@ -62,5 +64,38 @@ def plan_for_device(
             lowest,
             prof.peak,
         )
-    budget: int | float = 1.0 if room >= prof.peak else room
-    return plan_from_profile(model, prof, budget, selective=selective, objective=objective)
+    if room >= prof.peak:
+        return plan_from_profile(model, prof, 1.0, selective=selective, objective=objective)
+    return plan_fitting(model, prof, room, dm.rng_state, selective, objective)
+
+
+def plan_fitting(
+    model: nn.Module,
+    prof: Profile,
+    room: int,
+    rng_state: int,
+    selective: bool = True,
+    objective: str = "time",
+    fallback: Plan | None = None,
+) -> Plan:
+    """The cheapest plan from ``prof`` whose step peak, with the ``rng_state`` bytes each of
+    its checkpoints keeps, fits ``room``: planned at ``room`` less the states of the plan
+    before, up to three times; then ``fallback`` (a plan known to fit) or the last plan.
+
+    Raises:
+        BudgetTooLow: ``room`` is below the lowest budget, and no ``fallback``.
+    """
+    kept, tried = 0, None
+    for _ in range(3):
+        try:
+            tried = plan_from_profile(
+                model, prof, room - kept, selective=selective, objective=objective
+            )
+        except BudgetTooLow:
+            break
+        kept = checkpointed_calls(tried, prof) * rng_state
+        if (tried.estimated_peak or 0) + kept <= room:
+            return tried
+    if fallback is not None or tried is not None:
+        return fallback or tried  # type: ignore[return-value]
+    return plan_from_profile(model, prof, room, selective=selective, objective=objective)

@@ -7,7 +7,11 @@ freed before each forward (``zero_grad(set_to_none=True)``, the default), the mo
 in a steady training step is::
 
     parameters + buffers + optimizer state + inputs
-        + max(step peak (activations, gradients included), gradients + optimizer step)
+        + max(step peak (activations, gradients included) + checkpoints' RNG states,
+              gradients + optimizer step)
+
+(the RNG states: what ``torch.utils.checkpoint`` keeps on the device per recomputed call,
+:attr:`~autoremat.training.device_model.DeviceModel.rng_state`, all live when backward begins).
 
 :class:`StepMemory` holds these parts and, for a device, what its runtime and allocator add
 (:mod:`autoremat.training.device_model`); :func:`step_memory` adds them up from a model, its inputs,
@@ -25,10 +29,12 @@ from torch import nn
 
 from autoremat.core.nested import tensor_bytes
 from autoremat.core.sizes import format_size
+from autoremat.costs.profile import Profile
+from autoremat.planning.plans import Plan
 from autoremat.training.device_model import DeviceModel
 from autoremat.training.optimizer_memory import OptimizerMemory
 
-__all__ = ["StepMemory", "step_memory"]
+__all__ = ["StepMemory", "checkpointed_calls", "step_memory"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class StepMemory:
     inputs: int
     step_peak: int
     device_model: DeviceModel | None = None
+    rng_states: int = 0
 
     @property
     def resident(self) -> int:
@@ -53,7 +60,8 @@ class StepMemory:
 
     @property
     def tensors(self) -> int:
-        return self.resident + max(self.step_peak, self.gradients + self.optimizer_step)
+        step = self.step_peak + self.rng_states
+        return self.resident + max(step, self.gradients + self.optimizer_step)
 
     @property
     def device(self) -> int:
@@ -67,6 +75,7 @@ class StepMemory:
             ("optimizer state", self.optimizer_state),
             ("inputs", self.inputs),
             ("step peak (activations, gradients)", self.step_peak),
+            *([("checkpoints' RNG states", self.rng_states)] if self.rng_states else []),
             ("gradients + optimizer step", self.gradients + self.optimizer_step),
             ("tensors at most", self.tensors),
         ]
@@ -76,16 +85,29 @@ class StepMemory:
         return "\n".join(f"  {name:{width}}  {format_size(b):>11}" for name, b in rows)
 
 
+def checkpointed_calls(plan: Plan | None, prof: Profile) -> int:
+    """How many checkpoints ``plan`` runs per step: one per call of each module it names
+    (``path@k`` one call, a run ``path[i:j]`` one)."""
+    if plan is None:
+        return 0
+    return sum(
+        1 if "@" in entry or entry.endswith("]") else max(1, len(prof.calls_of(entry)))
+        for entry in plan.modules
+    )
+
+
 def step_memory(
     model: nn.Module,
     inputs: Any,
     step_peak: int,
     optimizer: OptimizerMemory,
     device_model: DeviceModel | None = None,
+    checkpoints: int = 0,
 ) -> StepMemory:
     """The :class:`StepMemory` of training ``model`` on ``inputs`` (its args and kwargs) with
     an optimizer of that memory, when the step (forward, loss, backward) peaks at
-    ``step_peak`` bytes above what was live before it."""
+    ``step_peak`` bytes above what was live before it, with ``checkpoints`` recomputed calls
+    (:func:`checkpointed_calls`)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     return StepMemory(
@@ -97,4 +119,5 @@ def step_memory(
         inputs=tensor_bytes(inputs),
         step_peak=step_peak,
         device_model=device_model,
+        rng_states=checkpoints * (device_model.rng_state if device_model else 0),
     )
