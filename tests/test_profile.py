@@ -164,6 +164,17 @@ def nested_blocks() -> nn.Sequential:
     return nn.Sequential(*(nn.Sequential(part(), part()) for _ in range(2)))
 
 
+def chosen_items(prof: autoremat.Profile, entries: list[str], selective: list[str]) -> list:
+    """The planning items of ``entries`` (their selective way for those in ``selective``)."""
+    from autoremat.planning.planning_tree import planning_tree
+
+    items = {i.path: i for i in planning_tree(prof).walk()}
+    return [
+        next(o for o in items[e].other_ways if o.way == "selective") if e in selective else items[e]
+        for e in entries
+    ]
+
+
 def forward_moments(model: nn.Module, x: torch.Tensor) -> dict[int, int]:
     """The most live bytes at each point of the forward (``p``: module calls ended before)."""
     from autoremat.record.memory import LiveMemory
@@ -207,15 +218,9 @@ def test_a_checkpointed_forward_is_priced_point_by_point(entries, selective):
     checkpoint drops it) and a selective one's cached outputs are held: at every point of the
     forward the profile's prediction is never under the measured live bytes, and just after
     block 1's first part ends both are 8 MiB below the step without recompute."""
-    from autoremat.planning.planning_tree import planning_tree
-
     model, x = nested_blocks(), torch.randn(2048, 512)
     prof = autoremat.profile(model, (x,))
-    items = {i.path: i for i in planning_tree(prof).walk()}
-    chosen = [
-        next(o for o in items[e].other_ways if o.way == "selective") if e in selective else items[e]
-        for e in entries
-    ]
+    chosen = chosen_items(prof, entries, selective)
     baseline = dict(prof.forward_points)
 
     def predicted(p: int) -> int:
@@ -251,16 +256,11 @@ def test_a_checkpointed_forward_is_priced_point_by_point(entries, selective):
 def test_predicted_step_peak_is_the_measured_one_on_nested_blocks(entries, selective):
     """The whole model, recompute peaks included: the prediction for a set of entries (whole
     or selective) is the measured peak of the step, to the byte."""
-    from autoremat.planning.planning_tree import planning_tree
     from autoremat.planning.solver import predict_peak
 
     model, x = nested_blocks(), torch.randn(2048, 512)
     prof = autoremat.profile(model, (x,))
-    items = {i.path: i for i in planning_tree(prof).walk()}
-    chosen = [
-        next(o for o in items[e].other_ways if o.way == "selective") if e in selective else items[e]
-        for e in entries
-    ]
+    chosen = chosen_items(prof, entries, selective)
     predicted = predict_peak(prof.backward_points, chosen, prof.forward_points)
     autoremat.wrap.apply(model, entries, selective=selective)
     measured = autoremat.measure(model, (x,)).peak
@@ -280,18 +280,13 @@ def test_under_autocast_a_checkpointed_forward_keeps_its_weight_casts_until_the_
     when backward begins. The profile says which part of what a block frees that is (its four
     weights in bf16), and the prediction is the measured peak to the byte. (Priced as freed
     from the block's end, the plan recomputing block 1 was under by its 2 MiB of casts.)"""
-    from autoremat.planning.planning_tree import planning_tree
     from autoremat.planning.solver import predict_peak
 
     model, x = nested_blocks(), torch.randn(256, 512)
     prof = autoremat.profile(model, (x,), autocast=torch.bfloat16)
     assert prof["1"].cached == 4 * 512 * 512 * 2
     assert prof["1"].way("selective").cached == prof["1"].cached
-    items = {i.path: i for i in planning_tree(prof).walk()}
-    chosen = [
-        next(o for o in items[e].other_ways if o.way == "selective") if e in selective else items[e]
-        for e in entries
-    ]
+    chosen = chosen_items(prof, entries, selective)
     predicted = predict_peak(prof.backward_points, chosen, prof.forward_points)
     autoremat.wrap.apply(model, entries, selective=selective)
     measured = autoremat.measure(model, (x,), autocast=torch.bfloat16).peak

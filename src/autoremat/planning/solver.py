@@ -44,12 +44,16 @@ only on the bytes freed. Bytes freed are counted up to the largest excess over t
 (more is worth nothing). Past ``MAX_STATES`` states, the frontier keeps one state per
 ``1/MAX_STATES`` of that excess, the one that freed most: no feasible answer is lost, and the
 cost may exceed the optimum by what separates states within one step (never on small trees,
-where the frontier stays below it). The work is ``O((nodes x ways + runs) x frontier)``;
-``runs`` is at most ``MAX_RUN`` per child of a Sequential. Recasts are not additive: when
+where the frontier stays below it). With :attr:`Item.cached` it keeps two per step, the one
+that freed most and the one that freed most in the forward: a feasible answer between them
+could then be lost (the randomized test has found none). The work is
+``O((nodes x ways + runs) x frontier)``; ``runs`` is at most ``MAX_RUN`` per child of a
+Sequential. Recasts are not additive: when
 the walk takes an item that has some, it checks them in each state against that state's own
 choices (the holders ended before the item began, so they are decided); states are still
 merged by bytes freed and cost alone, so with recasts the answer fits but may not be the
-cheapest (a state merged away could have covered a later item's holders).
+cheapest (a state merged away could have covered a later item's holders). The same holds for
+:attr:`Item.shared_casts`, added per state to what the item frees after the forward.
 """
 
 from __future__ import annotations

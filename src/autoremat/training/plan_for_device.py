@@ -96,6 +96,7 @@ def plan_fitting(
         kept = checkpointed_calls(tried, prof) * rng_state
         if (tried.estimated_peak or 0) + kept <= room:
             return tried
-    if fallback is not None or tried is not None:
-        return fallback or tried  # type: ignore[return-value]
-    return plan_from_profile(model, prof, room, selective=selective, objective=objective)
+    chosen = fallback or tried
+    if chosen is None:  # (raises BudgetTooLow: the room is below the lowest budget)
+        return plan_from_profile(model, prof, room, selective=selective, objective=objective)
+    return chosen
