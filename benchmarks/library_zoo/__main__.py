@@ -6,9 +6,8 @@ and (where its library has a switch) on (:func:`library_zoo.check.check`), and o
 ``plan``, ``measure`` and ``fit`` on the user's model (:func:`library_zoo.check.check_calls`).
 
 Exit status 1 when a row fails what the zoo promises: a crash; a plan that did not train
-exactly, was not recomputed, or (fp32) measured over its budget; a user's model left changed or
-its forward no longer as a fresh model's. bf16 budgets are shown and marked, not failed (they are
-the memory-prediction issue's).
+exactly, was not recomputed, or measured over its budget (fp32 and bf16); a user's model left
+changed or its forward no longer as a fresh model's.
 """
 
 from __future__ import annotations

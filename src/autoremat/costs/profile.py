@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from autoremat.core.classes import is_wrapped
+from autoremat.core.huggingface import ordinary_positions_on_meta
 from autoremat.core.nested import iter_tensors
 from autoremat.core.own_checkpointing import switched_off, turned_off_message
 from autoremat.core.selective import WAYS
@@ -201,7 +202,8 @@ class Profile:
     type of the device the step ran on (``"cpu"``, ``"cuda"``), or ``"meta"``, where nothing
     runs and times are estimated from FLOPs and bytes. ``op_overhead`` and
     ``selective_op_overhead`` are the seconds a recompute adds per op beyond the op itself,
-    plain and selective (:func:`~autoremat.record.timing.overheads`).
+    plain and selective (:func:`~autoremat.record.timing.overheads`). ``memory``: what its
+    bytes count, ``"tensors"`` or ``"allocator"`` (kernels' scratch too, :func:`profile`).
     """
 
     tree: Node
@@ -213,6 +215,7 @@ class Profile:
     backward_points: tuple[tuple[int, int], ...] = ()
     op_overhead: float = 0.0
     selective_op_overhead: float = 0.0
+    memory: str = "tensors"
 
     def __getitem__(self, path: str) -> NodeCost:
         """The costs of node ``path``: a module that ran once, or one call ``path@k`` of a
@@ -275,8 +278,16 @@ def profile(
     loss_fn: LossFn | None = None,
     autocast: Autocast | torch.dtype | None = None,
     hf_cache: bool = False,
+    memory: str = "tensors",
+    timed: bool = True,
 ) -> Profile:
     """Per-node costs of ``model`` on the example inputs (see the module docstring).
+
+    ``memory``: what the step's bytes are, as :func:`autoremat.measure` names them:
+    ``"tensors"`` (the tracker's, :class:`~autoremat.record.memory.LiveMemory`) or, for a step
+    on the CPU, ``"allocator"``: each moment also counts the scratch buffers kernels allocate
+    inside an op (a convolution's backward on the CPU), as the CPU allocator saw them
+    (:func:`~autoremat.record.recording.with_scratch`), so plans bound the allocator's figure.
 
     Hugging Face models train without their key/value cache here, as every applied plan
     makes them (:mod:`autoremat.core.huggingface`); with ``hf_cache`` they fill it, as the model
@@ -293,12 +304,14 @@ def profile(
     Runs one training step (forward, ``loss_fn`` on the output, backward; ``loss_fn`` defaults to
     :func:`autoremat.record.step.default_loss`, and its forward costs go to the root) from gradients
     ``None``, under :class:`~autoremat.record.memory.LiveMemory`, then, on real tensors, two more
-    forwards for timing. The model is left as it was found
+    forwards for timing (not with ``timed=False``: times are then estimated from FLOPs and bytes,
+    as on ``meta``). The model is left as it was found
     (:func:`autoremat.record.snapshot.preserved`). Shows a progress line on a terminal.
 
     Raises:
-        ValueError: the model has modules wrapped by autoremat (remove them first), or the
-            loss is not a scalar that requires grad.
+        ValueError: the model has modules wrapped by autoremat (remove them first), the
+            loss is not a scalar that requires grad, or ``memory="allocator"`` for a step not
+            on the CPU.
         ExampleInputsError: (a ValueError) the example inputs fail in forward; the message
             names the module.
     """
@@ -307,11 +320,28 @@ def profile(
             "profile needs the unwrapped model (a checkpointed module saves nothing to "
             "measure): call autoremat.remove(model) first"
         )
+    _check_memory(memory, model, args, kwargs)
     autocast = autocast_spec(autocast, model) or ambient_autocast()
     with _no_ambient_autocast(), switched_off(model) as own:
         if own:
             logger.warning("%s", turned_off_message(type(model).__name__, own, "for the profile"))
-        return _profile(model, args, kwargs, loss_fn, autocast, hf_cache)
+        return _profile(model, args, kwargs, loss_fn, autocast, hf_cache, memory, timed)
+
+
+PROFILE_MEMORY = ("tensors", "allocator")
+
+
+def _check_memory(memory: str, model: nn.Module, args: Any, kwargs: Any) -> None:
+    if memory not in PROFILE_MEMORY:
+        raise ValueError(f"memory must be one of {PROFILE_MEMORY}, got {memory!r}")
+    tensors = [*(t for _, t in iter_tensors((args, kwargs))), *model.parameters()]
+    where = {t.device.type for t in tensors}
+    if memory == "allocator" and where - {"cpu"}:
+        raise ValueError(
+            f"memory='allocator' profiles a step on the CPU (the CPU allocator's events), but "
+            f"this one runs on {', '.join(sorted(where - {'cpu'}))}: use memory='tensors' "
+            f"(on CUDA, autoremat.DeviceModel prices the allocator's share)"
+        )
 
 
 def _no_ambient_autocast() -> Any:
@@ -330,16 +360,20 @@ def _profile(
     loss_fn: LossFn | None,
     autocast: Autocast | None,
     hf_cache: bool,
+    memory: str = "tensors",
+    timed: bool = True,
 ) -> Profile:
-    modules = build_tree(model, args, kwargs)
     tensors = [*(t for _, t in iter_tensors((args, kwargs))), *model.parameters()]
     meta = any(t.device.type == "meta" for t in tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
-    rec = record_step(model, args, kwargs, modules, loss_fn, meta, autocast, hf_cache)
+    with ordinary_positions_on_meta() if meta else contextlib.nullcontext():
+        modules = build_tree(model, args, kwargs)  # (with the cache off too: no mask reads)
+    allocator = memory == "allocator"
+    rec = record_step(model, args, kwargs, modules, loss_fn, meta, autocast, hf_cache, allocator)
     tree = rec.tree
     line = timeline(tree, rec.events, {p: now for p, (_, now) in rec.unpacked.items()})
-    times = _Times(meta=meta)
-    if not meta:
+    times = _Times(meta=meta or not timed)
+    if not meta and timed:
         nodes = {id(n.module): (n.module_path, n.module, n.calls) for n in tree.walk()}
         times.forward, times.ops = time_forward(
             model, args, kwargs, nodes, device, autocast=autocast
@@ -356,6 +390,7 @@ def _profile(
         backward_points=line.backward_points,
         op_overhead=times.overheads[0],
         selective_op_overhead=times.overheads[1],
+        memory=memory,
     )
 
 

@@ -253,7 +253,9 @@ class CpuAllocatorMemory:
     the calling thread) in time order. ``current`` and ``peak`` are bytes above the start,
     known once the block has exited; memory allocated before the block and freed inside
     counts negative, as with ``memory_allocated``. :meth:`snapshot` leaves a mark in the
-    profile; its value is in ``marks`` after exit.
+    profile; its value is in ``marks`` after exit, and in ``highs`` the most the allocator's
+    figure reached since the mark before (the block's start for the first): a kernel's scratch
+    included, what the stretch between two marks held at most.
 
     Not for use inside another ``torch.profiler`` session (the profiler raises). Sizes are the
     bytes asked for, not the allocator's aligned blocks.
@@ -263,6 +265,7 @@ class CpuAllocatorMemory:
         self.current = 0
         self.peak = 0
         self.marks: dict[str, int] = {}
+        self.highs: dict[str, int] = {}
         self._labels: list[str] = []
         self._profile: Any = None
 
@@ -270,7 +273,7 @@ class CpuAllocatorMemory:
         from torch.profiler import ProfilerActivity, profile
 
         self.current = self.peak = 0
-        self.marks, self._labels = {}, []
+        self.marks, self.highs, self._labels = {}, {}, []
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._profile.__enter__()
         return self
@@ -278,8 +281,8 @@ class CpuAllocatorMemory:
     def snapshot(self, label: str | None = None) -> None:
         """Mark this point; with a label, ``marks[label]`` holds the bytes above the start
         here once the block has exited."""
-        if label is not None:
-            with torch.profiler.record_function(_MARK + label):
+        if label is not None:  # (a record function no dispatch mode sees as an op)
+            with torch._C._profiler._RecordFunctionFast(_MARK + label):
                 pass
 
     def __exit__(self, *exc: object) -> None:
@@ -292,14 +295,16 @@ class CpuAllocatorMemory:
         )
         marks = sorted((e.start_ns(), e.name()[len(_MARK) :]) for e in events if _MARK in e.name())
         self._profile = None
-        current = peak = 0
+        current = peak = high = 0  # high: the most since the last mark
         k = 0
         for when, delta in changes:
             while k < len(marks) and marks[k][0] < when:
-                self.marks[marks[k][1]] = current
+                self.marks[marks[k][1]], self.highs[marks[k][1]] = current, high
+                high = current
                 k += 1
             current += delta
-            peak = max(peak, current)
+            peak, high = max(peak, current), max(high, current)
         for _, label in marks[k:]:
-            self.marks[label] = current
+            self.marks[label], self.highs[label] = current, high
+            high = current
         self.current, self.peak = current, peak

@@ -28,7 +28,7 @@ from autoremat.core.huggingface import cache_off_in_training, ordinary_positions
 from autoremat.core.nested import iter_tensors, storage_key
 from autoremat.core.progress import Progress
 from autoremat.core.selective import WAYS, keeps, resolve
-from autoremat.record.memory import LiveMemory
+from autoremat.record.memory import CpuAllocatorMemory, LiveMemory
 from autoremat.record.snapshot import preserved
 from autoremat.record.step import Autocast, LossFn, leaf_inputs, train_step
 from autoremat.record.tree import Node, TensorInfo, tensor_infos
@@ -42,6 +42,7 @@ __all__ = [
     "SelfCheckpointingError",
     "lineage",
     "record_step",
+    "with_scratch",
 ]
 
 # (kind, node, peak since the previous event, live bytes now); kind is "start" or "end" of a
@@ -269,10 +270,15 @@ class _Recorder:
         tree: Node,
         inputs: list[torch.Tensor],
         cast_dtype: torch.dtype | None = None,
+        allocator: bool = False,
     ) -> None:
         self.root = _call_of(tree, 0)
         self.stack: list[Node] = [self.root]
         self.memory = LiveMemory()
+        self.allocator = CpuAllocatorMemory() if allocator else None
+        self.event_marks: list[int] = []  # the allocator's mark at each event
+        self.save_marks: dict[Node, int] = {}  # and at each node's last save
+        self.made = 0  # marks made
         self.parent: dict[Node, Node | None] = {self.root: None}
         self.calls: list[Node] = [self.root]
         self.modules = {id(n.module): n for n in tree.walk()}
@@ -309,7 +315,16 @@ class _Recorder:
         self.rec.cast_reads = self.costs.cast_reads
         self.rec.cached_casts = self.costs.cached
 
+    def snap(self) -> int:
+        """A mark in the allocator's events (the number of marks before; -1 without)."""
+        if self.allocator is None:
+            return -1
+        self.made += 1
+        self.allocator.snapshot(str(self.made - 1))
+        return self.made - 1
+
     def mark(self, kind: str, node: Node) -> None:
+        self.event_marks.append(self.snap())
         self.rec.events.append((kind, node, self.memory.peak, self.memory.current))
         self.memory.reset_peak()
 
@@ -317,8 +332,10 @@ class _Recorder:
         rec, here = self.rec, self.stack[-1]
         if self.costs.counting:
             node: Node | None = here
+            made = self.snap()
             while node is not None:
                 rec.last_save[node] = (len(rec.events), self.memory.peak)
+                self.save_marks[node] = made
                 node = self.parent[node]
         key = storage_key(t)
         if key is None or key in self.preexisting:
@@ -428,6 +445,40 @@ def _recomputes_itself(path: str) -> str:
     )
 
 
+class _Highs:
+    """The CPU allocator's figures at its marks (numbered ``0, 1, ...``), for
+    :func:`with_scratch`: ``rise(a, b)``, the most it rose above its figure at mark ``a``
+    (``-1``: the start) up to mark ``b``."""
+
+    def __init__(self, allocator: CpuAllocatorMemory, count: int) -> None:
+        self.now = [allocator.marks.get(str(k), 0) for k in range(count)]
+        self.high = [allocator.highs.get(str(k), 0) for k in range(count)]
+
+    def rise(self, a: int, b: int) -> int:
+        start = self.now[a] if a >= 0 else 0
+        return max(self.high[a + 1 : b + 1], default=start) - start
+
+
+def with_scratch(
+    rec: Recording, highs: _Highs, event_marks: list[int], save_marks: dict[Node, int]
+) -> None:
+    """Raise each peak of ``rec`` (its events', its last saves') to what the CPU allocator
+    saw in the stretch it ends: the live bytes at the event before plus the allocator's rise
+    since (``event_marks``, ``save_marks``: the allocator's marks there). The rise counts the
+    transient buffers a kernel allocates and frees inside one op, which no op returns and the
+    tracker does not see. Within a stretch a recompute frees the same bytes at every moment,
+    so a peak lowered by what it frees stays the device's."""
+    events, before = rec.events, 0
+    for i, (kind, node, peak, now) in enumerate(events):
+        rise = highs.rise(event_marks[i - 1] if i else -1, event_marks[i])
+        events[i] = (kind, node, max(peak, before + rise), now)
+        before = now
+    for node, (count, peak) in rec.last_save.items():
+        since = events[count - 1][3] if count else 0
+        rise = highs.rise(event_marks[count - 1] if count else -1, save_marks[node])
+        rec.last_save[node] = (count, max(peak, since + rise))
+
+
 def _call_of(node: Node, k: int, inputs: tuple[TensorInfo, ...] = ()) -> Node:
     """A node for the ``k``-th call of ``node``'s module (named ``path@k`` until the step is
     done), with no children yet."""
@@ -446,14 +497,18 @@ def record_step(
     meta: bool,
     autocast: Autocast | None = None,
     hf_cache: bool = False,
+    allocator: bool = False,
 ) -> Recording:
     """Run one training step of ``model`` (see :func:`autoremat.record.step.train_step`) and record
     it (module docstring); ``tree`` is the module tree (:func:`autoremat.record.tree.build_tree`),
     the recording's tree the step's calls. Hugging Face caches are off in training, as once
     wrapped (on ``meta`` too: :func:`~autoremat.core.huggingface.ordinary_positions_on_meta`),
-    unless ``hf_cache``. The model is left as it was found."""
+    unless ``hf_cache``. With ``allocator`` (a step on the CPU), each event's peak is what the
+    CPU allocator saw, kernels' scratch included (:func:`with_scratch`). The model is left as
+    it was found."""
     inputs = [t for _, t in iter_tensors((args, kwargs))]
-    rec = _Recorder(model, tree, inputs, autocast[1] if autocast is not None else None)
+    dtype = autocast[1] if autocast is not None else None
+    rec = _Recorder(model, tree, inputs, dtype, allocator)
     handles = []
     for m in {id(n.module): n.module for n in tree.walk()}.values():
         handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))
@@ -461,13 +516,17 @@ def record_step(
     positions = ordinary_positions_on_meta() if meta else contextlib.nullcontext()
     cache_off = contextlib.nullcontext() if hf_cache else cache_off_in_training(model)
     saved = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
+    watched = rec.allocator or contextlib.nullcontext()
     try:
         with preserved(model, leaf_inputs(args, kwargs)), cache_off, positions:
-            with rec.memory, rec.costs, saved:
+            with watched, rec.memory, rec.costs, saved:
                 train_step(
                     model, args, kwargs, loss_fn, after_forward=rec.after_forward, autocast=autocast
                 )
             recording = rec.finish()
+        if rec.allocator is not None:
+            highs = _Highs(rec.allocator, rec.made)
+            with_scratch(recording, highs, rec.event_marks, rec.save_marks)
     finally:
         for h in handles + rec.grad_hooks:
             h.remove()

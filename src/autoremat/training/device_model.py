@@ -14,10 +14,12 @@ allocator take beyond them:
   reuse, so what it reserves exceeds what tensors hold: :data:`CUDA_FRAGMENTATION` of the
   tensors (1-15% measured at the lowest budgets, ``benchmarks/results/results_cuda.md``).
 
-These three are estimates, the same for every model (``DeviceModel`` takes others); on the CPU they
-are 0 (the allocator's figure agrees with the tensors' within 1%,
-:class:`~autoremat.record.memory.CpuAllocatorMemory`). :func:`autoremat.fit` checks its answer once
-on the device.
+These three are estimates, the same for every model (``DeviceModel`` takes others). On the CPU
+they are 0: what the allocator sees beyond the tensors, kernels' scratch above all (a
+convolution's backward: 15-25% of a conv net's fp32 peak, more than the tensors under bf16), is
+measured instead: :func:`autoremat.plan_for_device` and :func:`autoremat.fit` size from real
+steps profiled by the CPU allocator (``profile(memory="allocator")``).
+:func:`autoremat.fit` checks its answer once on the device.
 
 Two more the user's loop and the plan decide:
 

@@ -14,8 +14,13 @@ get there with the least slowdown?" without running the model at each candidate 
 3. the plan for it is the cheapest whose predicted peak fits what the device leaves for the
    step; with ``objective="throughput"`` a few smaller batches are planned too, and the one
    with the most predicted samples per second is chosen (:func:`step_seconds`);
-4. once, on the device: the plan applied, real optimizer steps at that batch
-   (:func:`autoremat.measure_training`), the model put back as found.
+4. on a CPU (when checking, within the RAM available), ``meta`` cannot show kernels' scratch,
+   so the batch is sized again from real steps profiled by the CPU allocator
+   (``profile(memory="allocator")``), a few batches at and below the one found on ``meta``
+   (:meth:`_Prober.settle`): the batch returned fits by the allocator's figure, the next size
+   up does not;
+5. once, on the device: the plan applied, real optimizer steps at that batch
+   (:func:`autoremat.measure_training`; on a CPU by its allocator too), the model put back.
 """
 
 from __future__ import annotations
@@ -45,7 +50,12 @@ from autoremat.training.measure_training import TrainingMeasurement, measure_tra
 from autoremat.training.optimizer_memory import OptimizerLike, OptimizerMemory, optimizer_memory
 from autoremat.training.plan_for_device import plan_fitting
 from autoremat.training.scaled_profile import NotScalable, ScaledProfiles
-from autoremat.training.step_memory import StepMemory, checkpointed_calls, step_memory
+from autoremat.training.step_memory import (
+    StepMemory,
+    buffer_copies,
+    checkpointed_calls,
+    step_memory,
+)
 from autoremat.wrap.wrapping import remove
 
 __all__ = [
@@ -98,11 +108,14 @@ class Fit:
     chosen: Candidate | None = field(default=None, repr=False)
     # why the check on the device did not run ("": it ran, or verify=False / meta)
     not_verified: str = ""
+    # the batches sized again from real steps by the CPU allocator (kernels' scratch)
+    by_allocator: tuple[int, ...] = ()
 
     @property
     def fits(self) -> bool | None:
         """Whether the measured step fitted the device (``None``: not verified): on CUDA the
-        allocator's most reserved bytes plus the runtime's, elsewhere the tensors'."""
+        allocator's most reserved bytes plus the runtime's, on the CPU its allocator's most,
+        elsewhere the tensors'."""
         if self.measured is None:
             return None
         return self.seen <= self.device.limit
@@ -111,6 +124,8 @@ class Fit:
     def seen(self) -> int:
         """What the device held at most in the measured step, as :attr:`fits` counts it."""
         assert self.measured is not None, "not verified"
+        if self.measured.allocated is not None:
+            return self.measured.allocated
         if self.measured.reserved is None:
             return self.measured.tensors
         return self.measured.reserved + self.device.runtime
@@ -129,6 +144,10 @@ class Fit:
                 f"keeps the output alive through it needs {format_size(self.chosen.output_bytes)} "
                 f"more (reserve=..., --reserve)"
             )
+        if self.by_allocator:
+            tried = ", ".join(map(str, sorted(self.by_allocator)))
+            lines.append(f"sized from real steps by the CPU allocator (kernels' scratch counted) "
+                         f"at batches {tried}")  # fmt: skip
         if self.measured is not None:
             lines.append(f"measured: {self.measured} ({'fits' if self.fits else 'DOES NOT FIT'})")
         elif self.device.device == "meta":
@@ -192,9 +211,11 @@ class _Prober:
         self.seen: dict[int, _Probe] = {}
         self.plain: dict[int, StepMemory] = {}
         self.caches = bool(cache_modules(self.shadow))  # a Hugging Face model's
+        self.buffers = any(True for _ in model.buffers())
         self.progress = Progress("fitting", 40, "batch sizes profiled on meta")
         self.scaled: ScaledProfiles | None = None
         self.not_on_meta = ""  # why the step cannot run on meta, once it could not
+        self.by_allocator = False  # real steps on the CPU, by its allocator (on_the_device)
 
     def probe(self, batch: int) -> _Probe:
         if batch not in self.seen:
@@ -203,11 +224,12 @@ class _Prober:
             args, kwargs = tree_map(_on_meta, (args, kwargs))
             prof = self.profile(batch, args, kwargs)
             low = profile_lowest(prof, selective=self.selective)
-            plan = None  # (the RNG states its checkpoints keep count on this device)
-            if self.dm.rng_state and low < prof.peak:
+            plan = None  # (the RNG states and buffer copies its checkpoints keep count)
+            if (self.dm.rng_state or self.buffers) and low < prof.peak:
                 plan = plan_from_profile(self.model, prof, low, selective=self.selective)
-            calls = checkpointed_calls(plan, prof)
-            memory = step_memory(self.shadow, (args, kwargs), low, self.opt, self.dm, calls)
+            calls, copies = checkpointed_calls(plan, prof), buffer_copies(plan, prof)
+            memory = step_memory(self.shadow, (args, kwargs), low, self.opt, self.dm, calls,
+                                 copies)  # fmt: skip
             self.seen[batch] = _Probe(batch, (args, kwargs), prof, memory, plan)
             self.progress.step(f"batch {batch}")
         return self.seen[batch]
@@ -215,6 +237,8 @@ class _Prober:
     def profile(self, batch: int, args: Any, kwargs: Any) -> Profile:
         """The step's profile at ``batch`` (``args``, ``kwargs`` on ``meta``): the shadow's,
         or, once the shadow cannot run and the real model can, scaled from real steps."""
+        if self.by_allocator:
+            return self.real(batch, memory="allocator")
         if self.scaled is None:
             try:
                 return profile(self.shadow, args, kwargs, loss_fn=self.loss_fn,
@@ -240,13 +264,47 @@ class _Prober:
                 f"device_memory=...))"
             ) from None
 
-    def real(self, batch: int) -> Profile:
-        """A real step of the model on its device at ``batch``, profiled."""
+    def real(self, batch: int, memory: str = "tensors", hf_cache: bool = False) -> Profile:
+        """A real step of the model on its device at ``batch``, profiled (``memory`` and
+        ``hf_cache`` as :func:`~autoremat.costs.profile.profile` has them; by the allocator
+        untimed, as on ``meta``)."""
         device = model_device(self.model)
         args, kwargs = tree_map(
             lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, self.make_inputs(batch)
         )
-        return profile(self.model, args, kwargs, loss_fn=self.loss_fn, autocast=self.autocast)
+        how = {"loss_fn": self.loss_fn, "autocast": self.autocast, "hf_cache": hf_cache}
+        timed = memory == "tensors"
+        return profile(self.model, args, kwargs, memory=memory, timed=timed, **how)  # type: ignore[arg-type]
+
+    def on_the_device(self) -> _Prober:
+        """A prober like this one that profiles real steps on the model's device, by the CPU
+        allocator (kernels' scratch counted: ``profile(memory="allocator")``)."""
+        found = _Prober(self.model, self.make_inputs, self.opt, self.dm, self.loss_fn,
+                        self.selective, self.autocast)  # fmt: skip
+        found.by_allocator = True
+        found.progress = Progress("checking", 12, "batch sizes profiled on the device")
+        return found
+
+    def settle(self, guess: int, recompute: bool = True) -> int:
+        """The largest batch up to ``guess`` that fits as this prober sees it, when
+        ``guess + 1`` is known not to (0: none). The step's memory grows about linearly
+        with the batch, so each next batch tried is where the line through the two nearest
+        tried (one, at first: through no memory beyond what does not grow) meets the
+        device's limit, kept strictly between the largest that fits and the smallest that
+        does not; from the third on, every other try bisects instead (the line may be off):
+        a handful of real steps."""
+        need = {}  # batch -> the device memory it needs
+        lo, hi, batch = 0, guess + 1, guess
+        while hi - lo > 1:
+            memory = self.probe(batch).lowest if recompute else self.without(batch)
+            need[batch] = memory.device
+            fixed = memory.parameters + memory.buffers + memory.optimizer_state
+            lo, hi = (batch, hi) if need[batch] <= self.dm.limit else (lo, batch)
+            guess = _crossing(need, lo, hi, fixed, self.dm.limit)
+            if len(need) >= 3:  # (then bisection: the line may be off)
+                guess = (lo + hi) // 2 if len(need) % 2 else guess
+            batch = min(hi - 1, max(lo + 1, guess))
+        return lo
 
     def without(self, batch: int) -> StepMemory:
         """The whole step's memory of the model's own step at ``batch``, no recompute: a
@@ -255,7 +313,9 @@ class _Prober:
         if batch not in self.plain:
             probe = self.probe(batch)
             peak = probe.profile.peak
-            if self.caches and self.scaled is None:  # (scaled: priced without the cache)
+            if self.caches and self.by_allocator:
+                peak = self.real(batch, memory="allocator", hf_cache=True).peak
+            elif self.caches and self.scaled is None:  # (scaled: priced without the cache)
                 args, kwargs = probe.inputs
                 how = {"loss_fn": self.loss_fn, "autocast": self.autocast, "hf_cache": True}
                 peak = profile(self.shadow, args, kwargs, **how).peak  # type: ignore[arg-type]
@@ -301,14 +361,15 @@ class _Prober:
     def candidate(self, batch: int) -> Candidate:
         """``batch`` planned at what the device leaves for the step."""
         probe = self.probe(batch)
+        prof = probe.profile
         room = self.dm.for_tensors() - probe.lowest.resident
         chosen = None
         if room < probe.profile.peak:  # (the largest batch is near its lowest budget by design)
             chosen = plan_fitting(self.model, probe.profile, room, self.dm.rng_state,
                                   self.selective, fallback=probe.lowest_plan)  # fmt: skip
         peak = probe.profile.peak if chosen is None else chosen.estimated_peak or 0
-        calls = checkpointed_calls(chosen, probe.profile)
-        memory = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm, calls)
+        calls, copies = checkpointed_calls(chosen, prof), buffer_copies(chosen, prof)
+        memory = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm, calls, copies)
         seconds = step_seconds(probe.profile, chosen)
         out = probe.profile[probe.profile.tree.path].output_bytes
         return Candidate(batch, memory, self.without(batch), chosen, seconds, out)
@@ -360,11 +421,9 @@ def fit(
     dm = device_model(device_memory, model_device(model), reserve)
     spec = autocast_spec(autocast, model)
     opt = optimizer_memory(model, optimizer)
-    prober = _Prober(model, make_inputs, opt, dm, loss_fn, selective, spec)
-    top = prober.largest(max_batch)
-    if top == 0:
-        raise _none_fits(prober, max_batch)
-    without = prober.largest(top, recompute=False)
+    prober, top, without = _sized(
+        _Prober(model, make_inputs, opt, dm, loss_fn, selective, spec), max_batch, verify
+    )
     candidates = [prober.candidate(b) for b in _ladder(without, top, objective)]
     fastest = max(candidates, key=lambda c: (c.samples_per_second, c.batch))
     chosen = fastest if objective == "throughput" else candidates[-1]
@@ -374,10 +433,47 @@ def fit(
     how: StepHow = (loss_fn, spec)
     measured, unsafe = _checked(model, make_inputs, chosen, plan, optimizer, how, verify)
     found = Fit(chosen.batch, plan, dm, tuple(candidates), without, measured, objective, chosen,
-                unsafe)  # fmt: skip
+                unsafe, tuple(prober.seen) if prober.by_allocator else ())  # fmt: skip
     if found.fits is False:
         logger.warning("batch %d was predicted to fit but measured %s", chosen.batch, measured)
     return found
+
+
+def _crossing(need: dict[int, int], lo: int, hi: int, fixed: int, limit: int) -> int:
+    """The batch at which the line through the memory needed at ``lo`` and ``hi`` (those
+    tried; else through ``fixed`` bytes at batch 0) reaches ``limit``, rounded down."""
+    known = [(b, need[b]) for b in (lo, hi) if b in need] or [(0, fixed)]
+    (b0, m0), (b1, m1) = [(0, fixed), *known][-2:]
+    if m1 == m0:
+        return b1
+    return math.floor(b0 + (limit - m0) * (b1 - b0) / (m1 - m0))
+
+
+def _sized(prober: _Prober, max_batch: int, verify: bool) -> tuple[_Prober, int, int]:
+    """The largest batch that fits with recompute and without, found on ``meta`` (or scaled
+    real steps); then on a CPU, from real steps by its allocator (:func:`_by_allocator`),
+    with the prober that found them."""
+    top = prober.largest(max_batch)
+    if top == 0:
+        raise _none_fits(prober, max_batch)
+    without = prober.largest(top, recompute=False)
+    if _by_allocator(prober, top, verify):
+        prober = prober.on_the_device()
+        top = prober.settle(top)
+        if top == 0:
+            raise _none_fits(prober, max_batch)
+        without = prober.settle(min(without, top), recompute=False) if without else 0
+    return prober, top, without
+
+
+def _by_allocator(prober: _Prober, top: int, verify: bool) -> bool:
+    """Whether to size again from real steps by the CPU allocator (kernels' scratch, which
+    ``meta`` cannot show): on a CPU, when checking (``verify``), and when the batch found on
+    ``meta`` needs no more than the machine has available (else the check is skipped too)."""
+    device = model_device(prober.model)
+    if not verify or device.type != "cpu":
+        return False
+    return prober.probe(top).lowest.device <= available_memory(device)
 
 
 def _checked(model: nn.Module, make_inputs: Inputs, chosen: Candidate, plan: Plan,

@@ -4,7 +4,9 @@
 forward, loss, backward, ``optimizer.step()``) with a fresh optimizer and reports, for the
 last one (the optimizer's state then exists, as in every step after the first), the most bytes
 tensors held at once, those live before it included (parameters, buffers, optimizer state,
-inputs): what :class:`autoremat.StepMemory` predicts as ``tensors``. On CUDA it also reports the
+inputs): what :class:`autoremat.StepMemory` predicts as ``tensors``. On the CPU it also reports
+the CPU allocator's most (``allocated``: the same, kernels' scratch and checkpoints' RNG states
+included, :class:`~autoremat.record.memory.CpuAllocatorMemory`). On CUDA it reports the
 caching allocator's most reserved bytes (``torch.cuda.max_memory_reserved``) and the device's
 used memory (``torch.cuda.mem_get_info``), what an out-of-memory error and ``nvidia-smi`` are
 about.
@@ -17,6 +19,7 @@ state is restored.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +28,7 @@ from torch import nn
 
 from autoremat.core.nested import tensor_bytes
 from autoremat.core.sizes import format_size
-from autoremat.record.memory import LiveMemory
+from autoremat.record.memory import CpuAllocatorMemory, LiveMemory
 from autoremat.record.snapshot import modules_kept
 from autoremat.record.step import Autocast, LossFn, StepHow, autocast_spec, default_loss, train_step
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_factory
@@ -37,14 +40,18 @@ __all__ = ["TrainingMeasurement", "measure_training"]
 class TrainingMeasurement:
     """``tensors``: the most bytes tensors held at once in the measured step, those live
     before it included; ``reserved`` and ``device_used``: on CUDA, the allocator's most
-    reserved bytes in that step and the device memory in use after it (``None`` elsewhere)."""
+    reserved bytes in that step and the device memory in use after it (``None`` elsewhere);
+    ``allocated``: on the CPU, the allocator's most, those live before it included."""
 
     tensors: int
     reserved: int | None = None
     device_used: int | None = None
+    allocated: int | None = None
 
     def __str__(self) -> str:
         text = f"tensors at most {format_size(self.tensors)}"
+        if self.allocated is not None:
+            text += f", CPU allocator at most {format_size(self.allocated)}"
         if self.reserved is not None:
             text += f", allocator reserved {format_size(self.reserved)}"
         if self.device_used is not None:
@@ -95,11 +102,17 @@ def _run(
         _step(model, args, kwargs, opt, how)
     state = [] if opt is None else [v for s in opt.state.values() for v in s.values()]
     before = tensor_bytes([*model.parameters(), *model.buffers(), state, args, kwargs])
+    for p in model.parameters():  # (as the step does first: the allocator's start without them)
+        p.grad = None
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    with LiveMemory() as live:
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    watched = CpuAllocatorMemory() if on_cpu else contextlib.nullcontext()
+    with watched, LiveMemory() as live:
         _step(model, args, kwargs, opt, how)
+    if isinstance(watched, CpuAllocatorMemory):
+        return TrainingMeasurement(tensors=before + live.peak, allocated=before + watched.peak)
     if not cuda:
         return TrainingMeasurement(tensors=before + live.peak)
     torch.cuda.synchronize()

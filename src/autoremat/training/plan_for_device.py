@@ -17,7 +17,7 @@ from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.record.step import Autocast, LossFn, autocast_spec
 from autoremat.training.device_model import device_model
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
-from autoremat.training.step_memory import checkpointed_calls, step_memory
+from autoremat.training.step_memory import checkpoint_state, step_memory
 
 __all__ = ["plan_fitting", "plan_for_device"]
 
@@ -39,8 +39,9 @@ def plan_for_device(
     ``device_memory`` at these inputs: a budget plan whose budget is what the device leaves for the
     step once parameters, buffers, inputs and ``optimizer``'s state are in it (and, on CUDA, the
     runtime and the allocator's share, :mod:`autoremat.training.device_model`; on the CPU the
-    RNG state each checkpoint keeps; ``reserve``, bytes or a size, left free). An empty plan
-    when no recompute is needed. Profiles one step (on ``meta`` too).
+    RNG state each checkpoint keeps, and kernels' scratch: the step is profiled by the CPU
+    allocator, ``profile(memory="allocator")``; ``reserve``, bytes or a size, left free). An
+    empty plan when no recompute is needed. Profiles one step (on ``meta`` too, by tensors).
 
     Raises:
         BudgetTooLow: (a ValueError) the step does not fit even with the most recompute; the
@@ -49,13 +50,14 @@ def plan_for_device(
     """
     device = model_device(model)
     spec = autocast_spec(autocast, model)
-    prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec)
+    memory = "allocator" if device.type == "cpu" else "tensors"
+    prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec, memory=memory)
     dm = device_model(device_memory, device, reserve)
-    memory = step_memory(model, (args, kwargs), prof.peak, optimizer_memory(model, optimizer), dm)
-    room = dm.for_tensors() - memory.resident
+    whole = step_memory(model, (args, kwargs), prof.peak, optimizer_memory(model, optimizer), dm)
+    room = dm.for_tensors() - whole.resident
     lowest = profile_lowest(prof, selective=selective, objective=objective)
-    if room < max(lowest, memory.gradients + memory.optimizer_step):
-        need = dataclasses.replace(memory, step_peak=lowest)
+    if room < max(lowest, whole.gradients + whole.optimizer_step):
+        need = dataclasses.replace(whole, step_peak=lowest)
         raise BudgetTooLow(
             f"{type(model).__name__}'s training step does not fit {dm}: with the most "
             f"recompute it needs {format_size(need.device)}:\n{need}\nUse a smaller batch, "
@@ -78,9 +80,10 @@ def plan_fitting(
     objective: str = "time",
     fallback: Plan | None = None,
 ) -> Plan:
-    """The cheapest plan from ``prof`` whose step peak, with the ``rng_state`` bytes each of
-    its checkpoints keeps, fits ``room``: planned at ``room`` less the states of the plan
-    before, up to three times; then ``fallback`` (a plan known to fit) or the last plan.
+    """The cheapest plan from ``prof`` whose step peak, with what its checkpoints keep (the
+    ``rng_state`` bytes each, the buffer copies: :func:`checkpoint_state`), fits ``room``:
+    planned at ``room`` less what the plan before kept, up to three times; then ``fallback``
+    (a plan known to fit) or the last plan.
 
     Raises:
         BudgetTooLow: ``room`` is below the lowest budget, and no ``fallback``.
@@ -93,7 +96,7 @@ def plan_fitting(
             )
         except BudgetTooLow:
             break
-        kept = checkpointed_calls(tried, prof) * rng_state
+        kept = checkpoint_state(tried, prof, rng_state)
         if (tried.estimated_peak or 0) + kept <= room:
             return tried
     chosen = fallback or tried

@@ -11,7 +11,9 @@ in a steady training step is::
               gradients + optimizer step)
 
 (the RNG states: what ``torch.utils.checkpoint`` keeps on the device per recomputed call,
-:attr:`~autoremat.training.device_model.DeviceModel.rng_state`, all live when backward begins).
+:attr:`~autoremat.training.device_model.DeviceModel.rng_state`, all live when backward begins;
+and with them the copies of buffers each checkpointed call keeps for its recompute,
+:func:`buffer_copies`: neither is a tensor an op makes, so the tracker sees neither).
 
 :class:`StepMemory` holds these parts and, for a device, what its runtime and allocator add
 (:mod:`autoremat.training.device_model`); :func:`step_memory` adds them up from a model, its inputs,
@@ -27,6 +29,7 @@ from typing import Any
 
 from torch import nn
 
+from autoremat.core.entries import module_of, parse_run
 from autoremat.core.nested import tensor_bytes
 from autoremat.core.sizes import format_size
 from autoremat.costs.profile import Profile
@@ -34,7 +37,7 @@ from autoremat.planning.plans import Plan
 from autoremat.training.device_model import DeviceModel
 from autoremat.training.optimizer_memory import OptimizerMemory
 
-__all__ = ["StepMemory", "checkpointed_calls", "step_memory"]
+__all__ = ["StepMemory", "buffer_copies", "checkpoint_state", "checkpointed_calls", "step_memory"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class StepMemory:
     step_peak: int
     device_model: DeviceModel | None = None
     rng_states: int = 0
+    buffer_copies: int = 0
 
     @property
     def resident(self) -> int:
@@ -60,7 +64,7 @@ class StepMemory:
 
     @property
     def tensors(self) -> int:
-        step = self.step_peak + self.rng_states
+        step = self.step_peak + self.rng_states + self.buffer_copies
         return self.resident + max(step, self.gradients + self.optimizer_step)
 
     @property
@@ -76,6 +80,7 @@ class StepMemory:
             ("inputs", self.inputs),
             ("step peak (activations, gradients)", self.step_peak),
             *([("checkpoints' RNG states", self.rng_states)] if self.rng_states else []),
+            *([("checkpoints' buffer copies", self.buffer_copies)] if self.buffer_copies else []),
             ("gradients + optimizer step", self.gradients + self.optimizer_step),
             ("tensors at most", self.tensors),
         ]
@@ -90,10 +95,38 @@ def checkpointed_calls(plan: Plan | None, prof: Profile) -> int:
     (``path@k`` one call, a run ``path[i:j]`` one)."""
     if plan is None:
         return 0
-    return sum(
-        1 if "@" in entry or entry.endswith("]") else max(1, len(prof.calls_of(entry)))
-        for entry in plan.modules
-    )
+    return sum(_calls(entry, prof) for entry in plan.modules)
+
+
+def _calls(entry: str, prof: Profile) -> int:
+    return 1 if "@" in entry or entry.endswith("]") else max(1, len(prof.calls_of(entry)))
+
+
+def buffer_copies(plan: Plan | None, prof: Profile) -> int:
+    """The most bytes of buffer copies ``plan``'s checkpoints hold at once, an upper bound
+    (:mod:`autoremat.wrap.replay`): each checkpointed call keeps the pre-forward value of the
+    buffers its forward changes (BatchNorm's statistics) until its last recompute, and its
+    forward and each recompute copy all its modules' buffers while they run; so every call's
+    buffers, and the largest call's twice more."""
+    if plan is None or prof.module_tree is None:
+        return 0
+    modules = {n.path: n.module for n in prof.module_tree.walk()}
+    sizes = []
+    for entry in plan.modules:
+        run = parse_run(entry)
+        if run is not None:
+            owners = list(modules[run[0]].children())[run[1] : run[2]]
+        else:
+            owners = [modules[module_of(entry)]]
+        held = {id(b): b for m in owners for b in m.buffers()}.values()
+        sizes += [sum(b.numel() * b.element_size() for b in held)] * _calls(entry, prof)
+    return sum(sizes) + 2 * max(sizes, default=0)
+
+
+def checkpoint_state(plan: Plan | None, prof: Profile, rng_state: int) -> int:
+    """What ``plan``'s checkpoints keep on the device beyond the step's tensors: each call's
+    RNG state (``rng_state`` bytes) and the buffer copies (:func:`buffer_copies`)."""
+    return checkpointed_calls(plan, prof) * rng_state + buffer_copies(plan, prof)
 
 
 def step_memory(
@@ -103,11 +136,13 @@ def step_memory(
     optimizer: OptimizerMemory,
     device_model: DeviceModel | None = None,
     checkpoints: int = 0,
+    copies: int = 0,
 ) -> StepMemory:
     """The :class:`StepMemory` of training ``model`` on ``inputs`` (its args and kwargs) with
     an optimizer of that memory, when the step (forward, loss, backward) peaks at
     ``step_peak`` bytes above what was live before it, with ``checkpoints`` recomputed calls
-    (:func:`checkpointed_calls`)."""
+    (:func:`checkpointed_calls`) holding ``copies`` bytes of buffer copies
+    (:func:`buffer_copies`)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     return StepMemory(
@@ -120,4 +155,5 @@ def step_memory(
         step_peak=step_peak,
         device_model=device_model,
         rng_states=checkpoints * (device_model.rng_state if device_model else 0),
+        buffer_copies=copies,
     )
