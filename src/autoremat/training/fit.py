@@ -164,10 +164,11 @@ class Fit:
         return "\n".join(lines)
 
 
-def meta_shadow(model: nn.Module) -> nn.Module:
+def meta_shadow(model: nn.Module, shared: tuple[object, ...] = ()) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are on ``meta``: the same structure
-    and attributes, no memory, no copy of the values."""
-    memo: dict[int, Any] = {}
+    and attributes, no memory, no copy of the values; the objects of ``shared`` (a trainer a
+    module refers to) are referred to, not copied."""
+    memo: dict[int, Any] = {id(obj): obj for obj in shared}
     for t in [*model.parameters(), *model.buffers()]:
         shadow = torch.empty_like(t, device="meta")
         if isinstance(t, nn.Parameter):
@@ -228,8 +229,9 @@ class _Prober:
             if (self.dm.rng_state or self.buffers) and low < prof.peak:
                 plan = plan_from_profile(self.model, prof, low, selective=self.selective)
             calls, copies = checkpointed_calls(plan, prof), buffer_copies(plan, prof)
+            scratch = prof.memory == "allocator"
             memory = step_memory(self.shadow, (args, kwargs), low, self.opt, self.dm, calls,
-                                 copies)  # fmt: skip
+                                 copies, scratch)  # fmt: skip
             self.seen[batch] = _Probe(batch, (args, kwargs), prof, memory, plan)
             self.progress.step(f"batch {batch}")
         return self.seen[batch]
@@ -319,7 +321,9 @@ class _Prober:
                 args, kwargs = probe.inputs
                 how = {"loss_fn": self.loss_fn, "autocast": self.autocast, "hf_cache": True}
                 peak = profile(self.shadow, args, kwargs, **how).peak  # type: ignore[arg-type]
-            self.plain[batch] = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm)
+            scratch = probe.profile.memory == "allocator"
+            self.plain[batch] = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm,
+                                            scratch=scratch)  # fmt: skip
         return self.plain[batch]
 
     def fits(self, batch: int, recompute: bool = True) -> bool:
@@ -369,7 +373,8 @@ class _Prober:
                                   self.selective, fallback=probe.lowest_plan)  # fmt: skip
         peak = probe.profile.peak if chosen is None else chosen.estimated_peak or 0
         calls, copies = checkpointed_calls(chosen, prof), buffer_copies(chosen, prof)
-        memory = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm, calls, copies)
+        memory = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm, calls, copies,
+                             prof.memory == "allocator")  # fmt: skip
         seconds = step_seconds(probe.profile, chosen)
         out = probe.profile[probe.profile.tree.path].output_bytes
         return Candidate(batch, memory, self.without(batch), chosen, seconds, out)

@@ -56,6 +56,7 @@ class StepMemory:
     device_model: DeviceModel | None = None
     rng_states: int = 0
     buffer_copies: int = 0
+    scratch: bool = False  # the step peak counts kernels' scratch (a profile by the allocator)
 
     @property
     def resident(self) -> int:
@@ -78,11 +79,11 @@ class StepMemory:
             ("buffers", self.buffers),
             ("optimizer state", self.optimizer_state),
             ("inputs", self.inputs),
-            ("step peak (activations, gradients)", self.step_peak),
+            (f"step peak (activations, gradients{', scratch' * self.scratch})", self.step_peak),
             *([("checkpoints' RNG states", self.rng_states)] if self.rng_states else []),
             *([("checkpoints' buffer copies", self.buffer_copies)] if self.buffer_copies else []),
             ("gradients + optimizer step", self.gradients + self.optimizer_step),
-            ("tensors at most", self.tensors),
+            ("at most (tensors and scratch)" if self.scratch else "tensors at most", self.tensors),
         ]
         if self.device_model is not None and self.device != self.tensors:
             rows.append(("device (runtime, allocator)", self.device))
@@ -137,12 +138,13 @@ def step_memory(
     device_model: DeviceModel | None = None,
     checkpoints: int = 0,
     copies: int = 0,
+    scratch: bool = False,
 ) -> StepMemory:
     """The :class:`StepMemory` of training ``model`` on ``inputs`` (its args and kwargs) with
     an optimizer of that memory, when the step (forward, loss, backward) peaks at
     ``step_peak`` bytes above what was live before it, with ``checkpoints`` recomputed calls
     (:func:`checkpointed_calls`) holding ``copies`` bytes of buffer copies
-    (:func:`buffer_copies`)."""
+    (:func:`buffer_copies`); ``scratch``: ``step_peak`` counts kernels' scratch."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     return StepMemory(
@@ -156,4 +158,5 @@ def step_memory(
         device_model=device_model,
         rng_states=checkpoints * (device_model.rng_state if device_model else 0),
         buffer_copies=copies,
+        scratch=scratch,
     )

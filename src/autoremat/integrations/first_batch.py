@@ -1,0 +1,101 @@
+"""A plan made on the first training batch a model sees, and applied before that step runs.
+
+Trainers build the batch only once training starts, so :class:`FirstBatchPlanner` waits for
+it: a forward pre-hook on the model, at its first call in training (``model.training`` and
+grad enabled), profiles the step on those very inputs on a ``meta`` shadow of the model
+(:func:`autoremat.training.fit.meta_shadow`: no memory, no weights copied, nothing of the
+model's state touched, no random draw), plans it, and applies the plan in place before the
+forward goes on. A model whose step cannot run on ``meta`` is profiled for real on those
+inputs (left as found, :func:`autoremat.profile`). A plan that names the root module itself
+recomputes it from the second step on: its first forward had begun when the hook ran.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from autoremat.costs.profile import profile
+from autoremat.planning.plan import plan_from_profile
+from autoremat.planning.plans import Plan
+from autoremat.record.step import LossFn
+from autoremat.training.fit import meta_shadow
+from autoremat.training.optimizer_memory import OptimizerLike
+from autoremat.training.plan_for_device import plan_for_device
+
+__all__ = ["FirstBatchPlanner"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FirstBatchPlanner:
+    """What to plan (``budget``: a step-peak budget as :func:`autoremat.plan` takes it; or
+    ``device_memory``: the whole step, optimizer included, as
+    :func:`autoremat.plan_for_device` takes it, a size such as ``"20GiB"``), and the plan
+    once made (``plan``)."""
+
+    budget: int | float | str | None = None
+    device_memory: int | str | None = None
+    optimizer: OptimizerLike = "adamw"
+    loss_fn: LossFn | None = None
+    selective: bool = True
+    objective: str = "time"
+    plan: Plan | None = None
+    on_plan: Callable[[Plan], None] | None = None  # told the plan once applied
+    shared: tuple[object, ...] = ()  # objects the shadow refers to, not copies (a trainer)
+
+    def __post_init__(self) -> None:
+        if (self.budget is None) == (self.device_memory is None):
+            raise ValueError(
+                'give one of budget= (the step\'s peak: "20GiB", "50%", 0.5) or '
+                'device_memory= (the whole training step on the device: "20GiB")'
+            )
+        self._hook: Any = None
+
+    def attach(self, model: nn.Module) -> None:
+        """Plan and apply at ``model``'s first call in training (module docstring)."""
+        if self._hook is None and self.plan is None:
+            self._hook = model.register_forward_pre_hook(self._first_call, with_kwargs=True)
+
+    def detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _first_call(self, model: nn.Module, args: Any, kwargs: Any) -> None:
+        if not (model.training and torch.is_grad_enabled()):
+            return
+        self.detach()
+        self.plan = self.make(model, args, kwargs)
+        self.plan.apply(model)
+        logger.info("autoremat: %s", self.plan.summary())
+        if self.on_plan is not None:
+            self.on_plan(self.plan)
+
+    def make(self, model: nn.Module, args: Any, kwargs: Any) -> Plan:
+        """The plan for ``model`` on these inputs: on its ``meta`` shadow, else for real."""
+        shadow = meta_shadow(model, self.shared)
+        on_meta = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v,
+                           (args, kwargs))  # fmt: skip
+        try:
+            return self._planned(model, shadow, *on_meta)
+        except Exception as exc:  # (data-dependent ops, a meta kernel missing)
+            why = str(exc).splitlines()[0][:200]
+            logger.warning("autoremat: %s cannot be planned on meta (%s): profiling the step "
+                           "for real", type(model).__name__, why)  # fmt: skip
+            return self._planned(model, model, args, kwargs)
+
+    def _planned(self, model: nn.Module, profiled: nn.Module, args: Any, kwargs: Any) -> Plan:
+        how = {"selective": self.selective, "objective": self.objective}
+        if self.device_memory is not None:
+            return plan_for_device(profiled, args, kwargs, device_memory=self.device_memory,
+                                   optimizer=self.optimizer, loss_fn=self.loss_fn, **how)  # type: ignore[arg-type]  # fmt: skip
+        prof = profile(profiled, args, kwargs, loss_fn=self.loss_fn)
+        return plan_from_profile(model, prof, self.budget, **how)  # type: ignore[arg-type]
