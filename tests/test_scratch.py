@@ -139,3 +139,17 @@ def test_fit_on_a_cpu_finds_the_batch_the_allocator_fits_and_the_next_size_up_it
     assert measured.allocated is not None and measured.allocated > found.device.limit
     assert not autoremat.wrapped_paths(model)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_inside_a_profiler_of_the_callers_training_is_measured_and_planned_by_tensors() -> None:
+    """The allocator's count needs a profiler session of its own: inside the caller's, the
+    tensors are measured (``allocated`` is ``None``) and planned by, nothing raised."""
+    model, args, kwargs = _cnn(2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        inside = autoremat.measure_training(model, args, kwargs, optimizer="sgd")
+        device = int(0.8 * inside.tensors)
+        plan = autoremat.plan_for_device(model, args, kwargs, device_memory=device)
+    alone = autoremat.measure_training(model, args, kwargs, optimizer="sgd")
+    assert inside.allocated is None and alone.allocated is not None
+    assert inside.tensors == alone.tensors
+    assert plan.modules  # (planned by tensors there)

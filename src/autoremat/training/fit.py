@@ -473,10 +473,11 @@ def _sized(prober: _Prober, max_batch: int, verify: bool) -> tuple[_Prober, int,
 
 def _by_allocator(prober: _Prober, top: int, verify: bool) -> bool:
     """Whether to size again from real steps by the CPU allocator (kernels' scratch, which
-    ``meta`` cannot show): on a CPU, when checking (``verify``), and when the batch found on
-    ``meta`` needs no more than the machine has available (else the check is skipped too)."""
+    ``meta`` cannot show): on a CPU, when checking (``verify``), outside a profiler session of
+    the caller's (the allocator's count needs its own), and when the batch found on ``meta``
+    needs no more than the machine has available (else the check is skipped too)."""
     device = model_device(prober.model)
-    if not verify or device.type != "cpu":
+    if not verify or device.type != "cpu" or torch._C._autograd._profiler_enabled():
         return False
     return prober.probe(top).lowest.device <= available_memory(device)
 

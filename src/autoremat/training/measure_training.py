@@ -41,7 +41,8 @@ class TrainingMeasurement:
     """``tensors``: the most bytes tensors held at once in the measured step, those live
     before it included; ``reserved`` and ``device_used``: on CUDA, the allocator's most
     reserved bytes in that step and the device memory in use after it (``None`` elsewhere);
-    ``allocated``: on the CPU, the allocator's most, those live before it included."""
+    ``allocated``: on the CPU, the allocator's most, those live before it included (``None``
+    inside a ``torch.profiler`` session of the caller's, which the allocator's count needs)."""
 
     tensors: int
     reserved: int | None = None
@@ -108,7 +109,8 @@ def _run(
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    watched = CpuAllocatorMemory() if on_cpu else contextlib.nullcontext()
+    by_allocator = on_cpu and not torch._C._autograd._profiler_enabled()  # (not in a profile)
+    watched = CpuAllocatorMemory() if by_allocator else contextlib.nullcontext()
     with watched, LiveMemory() as live:
         _step(model, args, kwargs, opt, how)
     if isinstance(watched, CpuAllocatorMemory):

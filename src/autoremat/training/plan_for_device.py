@@ -50,7 +50,8 @@ def plan_for_device(
     """
     device = model_device(model)
     spec = autocast_spec(autocast, model)
-    memory = "allocator" if device.type == "cpu" else "tensors"
+    by_allocator = device.type == "cpu" and not torch._C._autograd._profiler_enabled()
+    memory = "allocator" if by_allocator else "tensors"  # (the allocator's needs no profiler on)
     prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec, memory=memory)
     dm = device_model(device_memory, device, reserve)
     whole = step_memory(model, (args, kwargs), prof.peak, optimizer_memory(model, optimizer), dm)
