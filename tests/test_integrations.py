@@ -1,6 +1,6 @@
 """Where users train (issue 25): the Hugging Face ``Trainer`` callback, the Lightning callback
 and the accelerate recipe each train a tiny model exactly as without them (same seeds, dropout
-on: equal losses, gradients and weights), at a lower measured peak."""
+on: equal losses, gradients and weights), at a lower measured peak (by the CPU allocator)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 import autoremat
 from autoremat.comparison.recomputed import RecomputeCounter
-from autoremat.record.memory import LiveMemory
+from autoremat.record.memory import CpuAllocatorMemory
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -66,15 +66,15 @@ def _assert_trained_alike(plain: Trained, planned: Trained) -> None:
 def _train(
     tmp: Path, callbacks: list[Any], watch: Any = None, **extra: Any
 ) -> tuple[_Recorded, int]:
-    """Three steps of the Trainer on a fresh tiny GPT-2; the tracker's peak over them, under
-    ``watch`` (a dispatch mode: the tracker's own when ``None``)."""
+    """Three steps of the Trainer on a fresh tiny GPT-2; the CPU allocator's peak over them
+    (the tracker would count the plan's meta profile too), or nothing measured under ``watch``."""
     args = transformers.TrainingArguments(
         output_dir=str(tmp), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
         seed=0, report_to="none", use_cpu=True, logging_steps=1, save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, **extra,
     )  # fmt: skip
     trainer = _Recorded(model=_gpt2(), args=args, train_dataset=_rows(), callbacks=callbacks)
-    memory = LiveMemory()
+    memory = CpuAllocatorMemory()
     with memory if watch is None else watch:
         trainer.train()
     return trainer, memory.peak
@@ -94,7 +94,7 @@ def test_the_trainer_callback_trains_exactly_as_without_it_at_a_lower_peak(
         (plain.losses, plain.grads, list(plain.model.state_dict().values())),
         (planned.losses, planned.grads, list(planned.model.state_dict().values())),
     )
-    assert planned_peak < 0.9 * plain_peak, (planned_peak, plain_peak)  # (recomputed)
+    assert planned_peak < 0.8 * plain_peak, (planned_peak, plain_peak)  # (recomputed)
     assert not autoremat.wrapped_paths(planned.model)  # taken off when training ended
     callback.on_train_begin(planned.args, planned.state, planned.control, model=planned.model)
     assert autoremat.wrapped_paths(planned.model)  # a later train() gets the same plan
@@ -136,7 +136,7 @@ def test_the_trainers_own_checkpointing_with_the_callback_is_refused_by_name(
 
 def _lightning_run(callbacks: list[Any]) -> tuple[Any, int]:
     """Three steps of a Lightning Trainer on a fresh MLP with dropout (seed 0); the module
-    (with its losses and gradients) and the tracker's peak over the fit."""
+    (with its losses and gradients) and the CPU allocator's peak over the fit."""
     pl = pytest.importorskip("pytorch_lightning")
     from torch import nn
 
@@ -175,7 +175,7 @@ def _lightning_run(callbacks: list[Any]) -> tuple[Any, int]:
     trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks)  # fmt: skip
-    with LiveMemory() as memory:
+    with CpuAllocatorMemory() as memory:
         trainer.fit(module, loader)
     return module, memory.peak
 
@@ -193,7 +193,7 @@ def test_the_lightning_callback_trains_exactly_as_without_it_at_a_lower_peak(cap
         (plain.losses, plain.grads, list(plain.parameters())),
         (planned.losses, planned.grads, list(planned.parameters())),
     )
-    assert planned_peak < 0.9 * plain_peak, (planned_peak, plain_peak)  # (recomputed)
+    assert planned_peak < 0.8 * plain_peak, (planned_peak, plain_peak)  # (recomputed)
     assert not autoremat.wrapped_paths(planned)  # taken off when training ended
 
 
@@ -202,7 +202,7 @@ def test_the_lightning_callback_trains_exactly_as_without_it_at_a_lower_peak(cap
 
 def _accelerate_run(planned: bool, mixed_precision: str = "no") -> tuple[list[Any], Any, int]:
     """The recipe of docs/scale.md: plan on one batch, apply, then ``accelerator.prepare``,
-    and train three steps; the losses, gradients, model and the tracker's peak."""
+    and train three steps; the losses, gradients, model and the CPU allocator's peak."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -222,7 +222,7 @@ def _accelerate_run(planned: bool, mixed_precision: str = "no") -> tuple[list[An
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     seen: list[Any] = []
     torch.manual_seed(0)
-    with LiveMemory() as memory:
+    with CpuAllocatorMemory() as memory:
         for step in loader:
             loss = model(**step).loss
             accelerator.backward(loss)
@@ -244,4 +244,4 @@ def test_a_plan_applied_before_accelerate_prepare_trains_exactly_at_a_lower_peak
         ([loss for loss, _ in planned], [g for _, g in planned], list(planned_model.parameters())),
     )
     assert autoremat.wrapped_paths(planned_model)  # kept through prepare
-    assert planned_peak < 0.9 * plain_peak, (planned_peak, plain_peak)  # (recomputed)
+    assert planned_peak < 0.8 * plain_peak, (planned_peak, plain_peak)  # (recomputed)
