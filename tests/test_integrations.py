@@ -245,3 +245,21 @@ def test_a_plan_applied_before_accelerate_prepare_trains_exactly_at_a_lower_peak
     )
     assert autoremat.wrapped_paths(planned_model)  # kept through prepare
     assert planned_peak < 0.8 * plain_peak, (planned_peak, plain_peak)  # (recomputed)
+
+
+def test_a_budget_the_first_batch_cannot_meet_is_refused_without_a_real_profile(
+    caplog: Any,
+) -> None:
+    """Planned on ``meta``, a budget below the lowest peak raises there: the same answer a
+    real profile would give, so none is run."""
+    from torch import nn
+
+    from autoremat.integrations.first_batch import FirstBatchPlanner
+
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)))
+    planner = FirstBatchPlanner(budget=1)
+    planner.attach(model)
+    with pytest.raises(autoremat.BudgetTooLow):
+        model(torch.randn(32, 64)).sum().backward()
+    assert "cannot be planned on meta" not in caplog.text
+    assert planner.plan is None and not autoremat.wrapped_paths(model)

@@ -320,7 +320,8 @@ def profile(
             "profile needs the unwrapped model (a checkpointed module saves nothing to "
             "measure): call autoremat.remove(model) first"
         )
-    _check_memory(memory, model, args, kwargs)
+    if memory not in PROFILE_MEMORY:
+        raise ValueError(f"memory must be one of {PROFILE_MEMORY}, got {memory!r}")
     autocast = autocast_spec(autocast, model) or ambient_autocast()
     with _no_ambient_autocast(), switched_off(model) as own:
         if own:
@@ -331,10 +332,8 @@ def profile(
 PROFILE_MEMORY = ("tensors", "allocator")
 
 
-def _check_memory(memory: str, model: nn.Module, args: Any, kwargs: Any) -> None:
-    if memory not in PROFILE_MEMORY:
-        raise ValueError(f"memory must be one of {PROFILE_MEMORY}, got {memory!r}")
-    tensors = [*(t for _, t in iter_tensors((args, kwargs))), *model.parameters()]
+def _check_allocator(memory: str, tensors: list[torch.Tensor]) -> None:
+    """Refuse ``memory="allocator"`` for a step not all on the CPU."""
     where = {t.device.type for t in tensors}
     if memory == "allocator" and where - {"cpu"}:
         raise ValueError(
@@ -364,6 +363,7 @@ def _profile(
     timed: bool = True,
 ) -> Profile:
     tensors = [*(t for _, t in iter_tensors((args, kwargs))), *model.parameters()]
+    _check_allocator(memory, tensors)
     meta = any(t.device.type == "meta" for t in tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
     with ordinary_positions_on_meta() if meta else contextlib.nullcontext():

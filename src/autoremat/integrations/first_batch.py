@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 from autoremat.costs.profile import profile
 from autoremat.planning.plan import plan_from_profile
 from autoremat.planning.plans import Plan
+from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.record.step import LossFn
 from autoremat.training.fit import meta_shadow
 from autoremat.training.optimizer_memory import OptimizerLike
@@ -86,6 +87,8 @@ class FirstBatchPlanner:
                            (args, kwargs))  # fmt: skip
         try:
             return self._planned(model, shadow, *on_meta)
+        except BudgetTooLow:  # (the step's own answer: the same for real)
+            raise
         except Exception as exc:  # (data-dependent ops, a meta kernel missing)
             why = str(exc).splitlines()[0][:200]
             logger.warning("autoremat: %s cannot be planned on meta (%s): profiling the step "

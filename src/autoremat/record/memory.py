@@ -59,7 +59,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CpuAllocatorMemory", "CudaMemory", "LiveMemory"]
+__all__ = ["CpuAllocatorMemory", "CudaMemory", "LiveMemory", "cpu_allocator_countable"]
 
 # Ops that return a tensor made outside the dispatcher (torch.tensor(...) data) as their output.
 _FRESH_OPS = frozenset({torch.ops.aten.lift_fresh.default})
@@ -240,6 +240,12 @@ class CudaMemory:
 
 
 _MARK = "autoremat.record.memory.mark:"
+
+
+def cpu_allocator_countable(device: torch.device) -> bool:
+    """Whether :class:`CpuAllocatorMemory` can count a step on ``device`` now: a CPU, and no
+    ``torch.profiler`` session of the caller's running (it needs one of its own)."""
+    return device.type == "cpu" and not torch._C._autograd._profiler_enabled()
 
 
 class CpuAllocatorMemory:

@@ -335,7 +335,8 @@ class _Recorder:
             made = self.snap()
             while node is not None:
                 rec.last_save[node] = (len(rec.events), self.memory.peak)
-                self.save_marks[node] = made
+                if made >= 0:
+                    self.save_marks[node] = made
                 node = self.parent[node]
         key = storage_key(t)
         if key is None or key in self.preexisting:

@@ -43,6 +43,7 @@ from autoremat.core.sizes import format_size
 from autoremat.costs.profile import Profile, profile
 from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.planning.plans import Plan
+from autoremat.record.memory import cpu_allocator_countable
 from autoremat.record.step import Autocast, LossFn, StepHow, autocast_spec
 from autoremat.record.tree import ExampleInputsError
 from autoremat.training.device_model import DeviceModel, available_memory, device_model
@@ -229,9 +230,8 @@ class _Prober:
             if (self.dm.rng_state or self.buffers) and low < prof.peak:
                 plan = plan_from_profile(self.model, prof, low, selective=self.selective)
             calls, copies = checkpointed_calls(plan, prof), buffer_copies(plan, prof)
-            scratch = prof.memory == "allocator"
             memory = step_memory(self.shadow, (args, kwargs), low, self.opt, self.dm, calls,
-                                 copies, scratch)  # fmt: skip
+                                 copies, self.by_allocator)  # fmt: skip
             self.seen[batch] = _Probe(batch, (args, kwargs), prof, memory, plan)
             self.progress.step(f"batch {batch}")
         return self.seen[batch]
@@ -321,9 +321,8 @@ class _Prober:
                 args, kwargs = probe.inputs
                 how = {"loss_fn": self.loss_fn, "autocast": self.autocast, "hf_cache": True}
                 peak = profile(self.shadow, args, kwargs, **how).peak  # type: ignore[arg-type]
-            scratch = probe.profile.memory == "allocator"
             self.plain[batch] = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm,
-                                            scratch=scratch)  # fmt: skip
+                                            scratch=self.by_allocator)  # fmt: skip
         return self.plain[batch]
 
     def fits(self, batch: int, recompute: bool = True) -> bool:
@@ -368,15 +367,15 @@ class _Prober:
         prof = probe.profile
         room = self.dm.for_tensors() - probe.lowest.resident
         chosen = None
-        if room < probe.profile.peak:  # (the largest batch is near its lowest budget by design)
-            chosen = plan_fitting(self.model, probe.profile, room, self.dm.rng_state,
-                                  self.selective, fallback=probe.lowest_plan)  # fmt: skip
-        peak = probe.profile.peak if chosen is None else chosen.estimated_peak or 0
+        if room < prof.peak:  # (the largest batch is near its lowest budget by design)
+            chosen = plan_fitting(self.model, prof, room, self.dm.rng_state, self.selective,
+                                  fallback=probe.lowest_plan)  # fmt: skip
+        peak = prof.peak if chosen is None else chosen.estimated_peak or 0
         calls, copies = checkpointed_calls(chosen, prof), buffer_copies(chosen, prof)
         memory = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm, calls, copies,
-                             prof.memory == "allocator")  # fmt: skip
-        seconds = step_seconds(probe.profile, chosen)
-        out = probe.profile[probe.profile.tree.path].output_bytes
+                             self.by_allocator)  # fmt: skip
+        seconds = step_seconds(prof, chosen)
+        out = prof[prof.tree.path].output_bytes
         return Candidate(batch, memory, self.without(batch), chosen, seconds, out)
 
 
@@ -477,7 +476,7 @@ def _by_allocator(prober: _Prober, top: int, verify: bool) -> bool:
     the caller's (the allocator's count needs its own), and when the batch found on ``meta``
     needs no more than the machine has available (else the check is skipped too)."""
     device = model_device(prober.model)
-    if not verify or device.type != "cpu" or torch._C._autograd._profiler_enabled():
+    if not verify or not cpu_allocator_countable(device):
         return False
     return prober.probe(top).lowest.device <= available_memory(device)
 

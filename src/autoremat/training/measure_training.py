@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoremat.core.devices import model_device
 from autoremat.core.nested import tensor_bytes
 from autoremat.core.sizes import format_size
-from autoremat.record.memory import CpuAllocatorMemory, LiveMemory
+from autoremat.record.memory import CpuAllocatorMemory, LiveMemory, cpu_allocator_countable
 from autoremat.record.snapshot import modules_kept
 from autoremat.record.step import Autocast, LossFn, StepHow, autocast_spec, default_loss, train_step
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_factory
@@ -108,8 +109,7 @@ def _run(
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    by_allocator = on_cpu and not torch._C._autograd._profiler_enabled()  # (not in a profile)
+    by_allocator = cpu_allocator_countable(model_device(model))
     watched = CpuAllocatorMemory() if by_allocator else contextlib.nullcontext()
     with watched, LiveMemory() as live:
         _step(model, args, kwargs, opt, how)

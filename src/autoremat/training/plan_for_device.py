@@ -14,6 +14,7 @@ from autoremat.costs.profile import Profile, profile
 from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.planning.plans import Plan
 from autoremat.planning.strategies.budget import BudgetTooLow
+from autoremat.record.memory import cpu_allocator_countable
 from autoremat.record.step import Autocast, LossFn, autocast_spec
 from autoremat.training.device_model import device_model
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
@@ -50,8 +51,7 @@ def plan_for_device(
     """
     device = model_device(model)
     spec = autocast_spec(autocast, model)
-    by_allocator = device.type == "cpu" and not torch._C._autograd._profiler_enabled()
-    memory = "allocator" if by_allocator else "tensors"  # (the allocator's needs no profiler on)
+    memory = "allocator" if cpu_allocator_countable(device) else "tensors"
     prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec, memory=memory)
     dm = device_model(device_memory, device, reserve)
     whole = step_memory(model, (args, kwargs), prof.peak, optimizer_memory(model, optimizer), dm)
