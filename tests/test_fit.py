@@ -444,7 +444,7 @@ def test_a_model_that_cannot_run_on_meta_is_sized_from_real_steps_scaled(caplog:
     assert {k: c.freed for k, c in got.costs.items()} == {
         k: c.freed for k, c in expected.costs.items()
     }
-    with caplog.at_level("WARNING", logger="autoremat.training.fit"):
+    with caplog.at_level("WARNING", logger="autoremat.training.prober"):
         found = autoremat.fit(model, make, device_memory="4MiB", optimizer="sgd")
     assert "cannot be sized on meta" in caplog.text and "Tensor.item()" in caplog.text
     assert found.plan.modules and found.fits and found.measured is not None

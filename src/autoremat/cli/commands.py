@@ -114,6 +114,8 @@ def _fit_command(ns: argparse.Namespace) -> int:
         verify=not ns.no_verify,
         reserve=int(ns.reserve) if ns.reserve.isdigit() else ns.reserve,
         autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(ns.autocast or ""),
+        world_size=ns.world_size,
+        sharding=ns.sharding,
     )
     example = batch_size_of(args, kwargs, ns.batch_dim)
     print(f"{ns.target} (example batch {example} along dimension {ns.batch_dim}, ", end="")

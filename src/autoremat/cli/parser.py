@@ -18,6 +18,7 @@ from autoremat.planning.choice import OBJECTIVES
 from autoremat.planning.strategies.levels import DEFAULT_SEGMENTS
 from autoremat.training.fit import FIT_OBJECTIVES
 from autoremat.training.optimizer_memory import OPTIMIZERS
+from autoremat.training.sharding import SHARDINGS
 
 __all__ = ["DESCRIPTION", "EPILOG", "VALUE_OPTIONS", "Parser", "parser"]
 
@@ -64,6 +65,7 @@ TARGET_HELP = "a built-in example name, or FILE.py:FACTORY (the file is executed
 VALUE_OPTIONS = (
     "--autocast", "--batch-dim", "--budget", "--device", "--device-memory", "--loss",
     "--max-batch", "--objective", "--optimizer", "--repeats", "--rounds", "--segments",
+    "--sharding", "--world-size",
 )  # fmt: skip
 
 
@@ -209,3 +211,16 @@ def _add_fit(p_fit: argparse.ArgumentParser) -> None:
         "--no-verify", action="store_true", help="do not run the batch found on the device"
     )
     p_fit.add_argument("--loss", metavar="WHERE", help=LOSS_HELP)
+    p_fit.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="size one rank of an N-rank job (needs --sharding; --device-memory is one rank's)",
+    )
+    p_fit.add_argument(
+        "--sharding",
+        choices=SHARDINGS,
+        default=None,
+        help="how the ranks share the model: ddp, or fsdp2 (fully_shard per block and the root)",
+    )

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from autoremat.core.classes import Hook, pickle_as_plain, stop_pickling_as_plain
 
@@ -150,7 +151,8 @@ def cache_off_in_training(model: nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def ordinary_positions_on_meta() -> Iterator[None]:
     """While active, Hugging Face's mask code (``transformers.masking_utils``, when imported)
-    takes position ids on the ``meta`` device for one ordinary sequence per batch row, not
+    takes position ids on the ``meta`` device (or fake ones, ``FakeTensorMode``'s) for one
+    ordinary sequence per batch row, not
     packed sequences: the answer it reaches on real tensors for positions ``0..n-1``, which
     it finds by reading their values (``.item()``, impossible on ``meta``). Other devices are
     asked as before. Without it a ``meta`` profile of such a model could only run with the
@@ -162,7 +164,8 @@ def ordinary_positions_on_meta() -> Iterator[None]:
         return
 
     def packed(position_ids: torch.Tensor) -> torch.Tensor | None:
-        return None if position_ids.device.type == "meta" else found(position_ids)
+        valueless = position_ids.device.type == "meta" or is_fake(position_ids)
+        return None if valueless else found(position_ids)
 
     masks.find_packed_sequence_indices = packed  # type: ignore[union-attr]
     try:

@@ -8,6 +8,11 @@ model's state touched, no random draw), plans it, and applies the plan in place 
 forward goes on. A model whose step cannot run on ``meta`` is profiled for real on those
 inputs (left as found, :func:`autoremat.profile`). A plan that names the root module itself
 recomputes it from the second step on: its first forward had begun when the hook ran.
+
+Under ``torch.distributed`` (a process group initialised, more than one rank) the plan is made
+on rank 0 alone and sent to every rank (:func:`autoremat.broadcast_plan`) at that first call,
+which every rank makes: each rank recomputes the same modules, as DDP and FSDP2 need. If rank
+0 cannot plan, every rank raises (rank 0 its own error).
 """
 
 from __future__ import annotations
@@ -18,13 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from autoremat.costs.profile import profile
+from autoremat.planning.broadcast_plan import broadcast_plan
 from autoremat.planning.plan import plan_from_profile
 from autoremat.planning.plans import Plan
 from autoremat.planning.strategies.budget import BudgetTooLow
+from autoremat.record.snapshot import fsdp_classes
 from autoremat.record.step import LossFn
 from autoremat.training.fit import meta_shadow
 from autoremat.training.optimizer_memory import OptimizerLike
@@ -71,14 +79,32 @@ class FirstBatchPlanner:
             self._hook = None
 
     def _first_call(self, model: nn.Module, args: Any, kwargs: Any) -> None:
-        if not (model.training and torch.is_grad_enabled()):
+        if not (model.training and torch.is_grad_enabled()) or _redirected(model):
             return
         self.detach()
-        self.plan = self.make(model, args, kwargs)
+        _refuse_sharded(model)
+        self.plan = self._agreed(model, args, kwargs)
         self.plan.apply(model)
         logger.info("autoremat: %s", self.plan.summary())
         if self.on_plan is not None:
             self.on_plan(self.plan)
+
+    def _agreed(self, model: nn.Module, args: Any, kwargs: Any) -> Plan:
+        """The plan made here, or with many ranks made on rank 0 and sent to every rank."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return self.make(model, args, kwargs)
+        made, failed = None, None
+        if dist.get_rank() == 0:
+            try:
+                made = self.make(model, args, kwargs)
+            except Exception as exc:  # (sent as no plan: every rank then raises)
+                failed = exc
+        try:
+            return broadcast_plan(made)
+        except ValueError:
+            if failed is not None:
+                raise failed from None
+            raise
 
     def make(self, model: nn.Module, args: Any, kwargs: Any) -> Plan:
         """The plan for ``model`` on these inputs: on its ``meta`` shadow, else for real."""
@@ -102,3 +128,27 @@ class FirstBatchPlanner:
                                    optimizer=self.optimizer, loss_fn=self.loss_fn, **how)  # type: ignore[arg-type]  # fmt: skip
         prof = profile(profiled, args, kwargs, loss_fn=self.loss_fn)
         return plan_from_profile(model, prof, self.budget, **how)  # type: ignore[arg-type]
+
+
+def _redirected(model: nn.Module) -> bool:
+    """Whether this call runs another method in place of ``model``'s forward: Lightning under
+    DDP calls the module with ``training_step`` set as its ``forward`` for the call (its
+    forward redirection); the call of the model's own forward comes inside it."""
+    own = vars(model).get("forward")
+    return own is not None and getattr(own, "__func__", None) is not type(model).forward
+
+
+def _refuse_sharded(model: nn.Module) -> None:
+    """Raise when ``model`` was already sharded by FSDP (Lightning's ``FSDPStrategy`` and
+    ``ModelParallelStrategy`` shard it before the first batch): a sharded module cannot be
+    profiled on ``meta``, and a real profile would issue collectives on its own."""
+    fsdp = fsdp_classes()
+    sharded = [path or "(root)" for path, m in model.named_modules() if isinstance(m, fsdp)]
+    if sharded:
+        raise RuntimeError(
+            f"autoremat cannot plan {type(model).__name__} on its first batch: it is already "
+            f"sharded by FSDP ({', '.join(sharded[:3])}{', ...' * (len(sharded) > 3)}). Plan "
+            f"before sharding: size a rank with autoremat.fit(..., world_size=N, "
+            f"sharding='fsdp2') (or make a plan), and apply it in configure_model before "
+            f"fully_shard (docs/scale.md)"
+        )

@@ -10,10 +10,11 @@ call's output: what ``training_step`` computes after it is not seen (its activat
 call's). When the hooked module's forward did not run in the first ``training_step``, the
 callback says which ``module=`` to name. At ``on_train_end`` the plan is taken off (``remove``).
 
-Lightning's own strategies (``FSDPStrategy``, ``ModelParallelStrategy``) wrap or shard the module
-in ``setup``, before the first batch: the plan is applied to the module as they left it; not
-verified here beyond one CPU process (``docs/scale.md``). Needs ``pytorch-lightning``: the
-``lightning`` extra.
+Under ``strategy="ddp"`` the plan is made on rank 0 and sent to every rank. Under
+``FSDPStrategy`` and ``ModelParallelStrategy`` the module is sharded before the first batch:
+refused on every rank (a ``RuntimeError`` naming the recipe: plan before sharding, apply in
+``configure_model`` before ``fully_shard``; ``docs/scale.md``). Needs ``pytorch-lightning``:
+the ``lightning`` extra.
 """
 
 from __future__ import annotations

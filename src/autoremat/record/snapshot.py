@@ -64,7 +64,7 @@ from torch.nn.parameter import is_lazy
 from autoremat.core.host_rng import get_host_rng, set_host_rng
 from autoremat.core.nested import version_of
 
-__all__ = ["RestoreError", "UndoLog", "all_or_nothing", "modules_kept", "preserved"]
+__all__ = ["RestoreError", "UndoLog", "all_or_nothing", "fsdp_classes", "modules_kept", "preserved"]
 
 # What nn.Module.__init__ sets on every module: parameters, buffers, submodules, hook
 # dictionaries, the training flag.
@@ -388,7 +388,7 @@ class _Generators:
         failures.attempt("Python's and NumPy's random states", lambda: set_host_rng(self.host))
 
 
-def _fsdp_classes() -> tuple[type, ...]:
+def fsdp_classes() -> tuple[type, ...]:
     """FSDP's module classes, when FSDP is imported (else no module can be one)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     found = (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None))
@@ -406,7 +406,7 @@ class _Snapshot:
     """What :func:`preserved` puts back (module docstring)."""
 
     def __init__(self, model: nn.Module, inputs: Sequence[torch.Tensor]) -> None:
-        fsdp = _fsdp_classes()
+        fsdp = fsdp_classes()
         managed = {id(s) for m in model.modules() if isinstance(m, fsdp) for s in m.modules()}
         self.modules: list[_ModuleState] = []
         tensors: dict[int, _TensorState] = {}

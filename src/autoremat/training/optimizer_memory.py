@@ -28,6 +28,7 @@ __all__ = [
     "OptimizerMemory",
     "optimizer_factory",
     "optimizer_memory",
+    "optimizer_memory_of",
 ]
 
 # What ``optimizer=`` may name.
@@ -92,13 +93,19 @@ def optimizer_memory(model: nn.Module, optimizer: OptimizerLike) -> OptimizerMem
         ValueError: the optimizer cannot step on ``meta`` (``fused=True``): the message says
             to pass the same optimizer without it, whose state is the same.
     """
+    return optimizer_memory_of([p for p in model.parameters() if p.requires_grad], optimizer)
+
+
+def optimizer_memory_of(params: list[torch.Tensor], optimizer: OptimizerLike) -> OptimizerMemory:
+    """:func:`optimizer_memory` for these parameters (their shapes and dtypes: one rank's
+    shards under FSDP2, say), each counted once."""
     make = optimizer_factory(optimizer)
-    trainable = {id(p): p for p in model.parameters() if p.requires_grad}
+    trainable = {id(p): p for p in params}
     if make is None or not trainable:
         return OptimizerMemory()
     shadows = []
     for p in trainable.values():
-        shadow = nn.Parameter(torch.empty_like(p, device="meta"))
+        shadow = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
         shadow.grad = torch.zeros_like(shadow)
         shadows.append(shadow)
     try:

@@ -18,6 +18,8 @@ from autoremat.record.memory import cpu_allocator_countable
 from autoremat.record.step import Autocast, LossFn, autocast_spec
 from autoremat.training.device_model import device_model
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
+from autoremat.training.per_rank import RankStep, ShardingLike, plan_for_rank
+from autoremat.training.sharding import sharding_of
 from autoremat.training.step_memory import checkpoint_state, step_memory
 
 __all__ = ["plan_fitting", "plan_for_device"]
@@ -35,6 +37,10 @@ def plan_for_device(
     objective: str = "time",
     autocast: Autocast | torch.dtype | None = None,
     reserve: int | str = 0,
+    world_size: int = 1,
+    sharding: ShardingLike = None,
+    fsdp_units: list[str] | tuple[str, ...] | None = None,
+    reshard_after_forward: bool = True,
 ) -> Plan:
     """The cheapest plan whose whole training step (:mod:`autoremat.training.step_memory`) fits
     ``device_memory`` at these inputs: a budget plan whose budget is what the device leaves for the
@@ -43,6 +49,8 @@ def plan_for_device(
     RNG state each checkpoint keeps, and kernels' scratch: the step is profiled by the CPU
     allocator, ``profile(memory="allocator")``; ``reserve``, bytes or a size, left free). An
     empty plan when no recompute is needed. Profiles one step (on ``meta`` too, by tensors).
+    Per rank (``world_size``, ``sharding`` ... as :func:`autoremat.predict_training` takes
+    them): :func:`autoremat.training.per_rank.plan_for_rank`, by tensors.
 
     Raises:
         BudgetTooLow: (a ValueError) the step does not fit even with the most recompute; the
@@ -51,6 +59,12 @@ def plan_for_device(
     """
     device = model_device(model)
     spec = autocast_spec(autocast, model)
+    ranks = sharding_of(model, world_size, sharding, fsdp_units, reshard_after_forward)
+    if ranks is not None:
+        prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec)
+        step = RankStep(model, (args, kwargs or {}), prof, ranks, optimizer, loss_fn, spec)
+        dm = device_model(device_memory, device, reserve)
+        return plan_for_rank(step, dm, selective, objective)[0]
     memory = "allocator" if cpu_allocator_countable(device) else "tensors"
     prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec, memory=memory)
     dm = device_model(device_memory, device, reserve)

@@ -11,9 +11,11 @@ from torch import nn
 from autoremat.core.devices import model_device
 from autoremat.costs.profile import profile
 from autoremat.planning.plans import Plan
-from autoremat.record.step import Autocast, LossFn
+from autoremat.record.step import Autocast, LossFn, autocast_spec
 from autoremat.training.device_model import device_model
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
+from autoremat.training.per_rank import RankStep, ShardingLike, rank_step_memory
+from autoremat.training.sharding import sharding_of
 from autoremat.training.step_memory import StepMemory, step_memory
 
 __all__ = ["predict_training"]
@@ -29,6 +31,10 @@ def predict_training(
     loss_fn: LossFn | None = None,
     device_memory: int | float | str | None = None,
     autocast: Autocast | torch.dtype | None = None,
+    world_size: int = 1,
+    sharding: ShardingLike = None,
+    fsdp_units: list[str] | tuple[str, ...] | None = None,
+    reshard_after_forward: bool = True,
 ) -> StepMemory:
     """The whole training step's memory of ``model`` on these inputs with ``optimizer`` (a
     name of :data:`autoremat.training.optimizer_memory.OPTIMIZERS`, an optimizer to copy, a function
@@ -40,7 +46,20 @@ def predict_training(
     estimate is used as it is, so make the plan with the same ``autocast``. With
     ``device_memory`` (as :func:`autoremat.fit` takes it), ``device`` counts what the
     device's runtime and allocator add. Nothing is changed.
+
+    Per rank of a job: ``world_size`` ranks with ``sharding`` ``"ddp"`` or ``"fsdp2"`` (its
+    ``fsdp_units``, by default the model's blocks, and ``reshard_after_forward``;
+    :mod:`autoremat.training.sharding`), ``args``/``kwargs`` one rank's batch: the step is
+    priced as :mod:`autoremat.training.per_rank` does (FSDP2 run on fake tensors over a fake
+    process group, outside any initialised one).
     """
+    spec = sharding_of(model, world_size, sharding, fsdp_units, reshard_after_forward)
+    if spec is not None:
+        cast = autocast_spec(autocast, model)
+        prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=cast)
+        rank = RankStep(model, (args, kwargs or {}), prof, spec, optimizer, loss_fn, cast)
+        dm = None if device_memory is None else device_model(device_memory, model_device(model))
+        return rank_step_memory(rank, plan, dm)
     if plan is not None and plan.estimated_peak is not None:
         peak = plan.estimated_peak
     else:  # the model's own step: a Hugging Face model fills its cache

@@ -57,11 +57,13 @@ class StepMemory:
     rng_states: int = 0
     buffer_copies: int = 0
     scratch: bool = False  # the step peak counts kernels' scratch (a profile by the allocator)
+    buckets: int = 0  # DDP's gradient buckets (resident from its construction on)
+    sharding: str = ""  # per rank of this job (:class:`~autoremat.training.sharding.Sharding`)
 
     @property
     def resident(self) -> int:
         """What is live before the step begins: parameters, buffers, state, inputs."""
-        return self.parameters + self.buffers + self.optimizer_state + self.inputs
+        return self.parameters + self.buffers + self.optimizer_state + self.inputs + self.buckets
 
     @property
     def tensors(self) -> int:
@@ -75,10 +77,11 @@ class StepMemory:
 
     def __str__(self) -> str:
         rows = [
-            ("parameters", self.parameters),
+            ("parameters" + " (this rank's shards)" * ("fsdp2" in self.sharding), self.parameters),
             ("buffers", self.buffers),
             ("optimizer state", self.optimizer_state),
             ("inputs", self.inputs),
+            *([("DDP's gradient buckets", self.buckets)] if self.buckets else []),
             (f"step peak (activations, gradients{', scratch' * self.scratch})", self.step_peak),
             *([("checkpoints' RNG states", self.rng_states)] if self.rng_states else []),
             *([("checkpoints' buffer copies", self.buffer_copies)] if self.buffer_copies else []),
@@ -88,7 +91,8 @@ class StepMemory:
         if self.device_model is not None and self.device != self.tensors:
             rows.append(("device (runtime, allocator)", self.device))
         width = max(len(name) for name, _ in rows)
-        return "\n".join(f"  {name:{width}}  {format_size(b):>11}" for name, b in rows)
+        lines = [f"  {name:{width}}  {format_size(b):>11}" for name, b in rows]
+        return "\n".join([f"  per rank: {self.sharding}"] * bool(self.sharding) + lines)
 
 
 def checkpointed_calls(plan: Plan | None, prof: Profile) -> int:

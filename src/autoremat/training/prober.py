@@ -1,0 +1,285 @@
+"""What :func:`autoremat.fit` tries: batch sizes profiled on a ``meta`` shadow, each once,
+and the :class:`Candidate` each gives (:class:`Prober`; per rank, its subclass
+:class:`~autoremat.training.rank_prober.RankProber`)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from autoremat.core.devices import model_device
+from autoremat.core.huggingface import cache_modules
+from autoremat.core.progress import Progress
+from autoremat.costs.profile import Profile, profile
+from autoremat.planning.plan import plan_from_profile, profile_lowest
+from autoremat.planning.plans import Plan
+from autoremat.record.step import Autocast, LossFn
+from autoremat.record.tree import ExampleInputsError
+from autoremat.training.device_model import DeviceModel
+from autoremat.training.optimizer_memory import OptimizerMemory
+from autoremat.training.plan_for_device import plan_fitting
+from autoremat.training.scaled_profile import NotScalable, ScaledProfiles
+from autoremat.training.step_memory import (
+    StepMemory,
+    buffer_copies,
+    checkpointed_calls,
+    step_memory,
+)
+
+__all__ = ["Candidate", "Inputs", "Probe", "Prober", "meta_shadow", "on_meta", "step_seconds"]
+
+logger = logging.getLogger(__name__)
+Inputs = Callable[[int], tuple[Any, dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One batch size considered: the whole step's memory predicted with its ``plan`` (the
+    plan at the device's memory; ``None`` when it needs none), with no recompute
+    (``without``), and the predicted step seconds and samples per second with the plan."""
+
+    batch: int
+    memory: StepMemory
+    without: StepMemory
+    plan: Plan | None
+    seconds: float
+    output_bytes: int = 0  # the model's output at this batch
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.batch / self.seconds if self.seconds > 0 else math.inf
+
+def meta_shadow(model: nn.Module, shared: tuple[object, ...] = ()) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on ``meta``: the same structure
+    and attributes, no memory, no copy of the values; the objects of ``shared`` (a trainer a
+    module refers to) are referred to, not copied."""
+    memo: dict[int, Any] = {id(obj): obj for obj in shared}
+    for t in [*model.parameters(), *model.buffers()]:
+        shadow = torch.empty_like(t, device="meta")
+        if isinstance(t, nn.Parameter):
+            shadow = nn.Parameter(shadow, requires_grad=t.requires_grad)
+        memo[id(t)] = shadow
+    return copy.deepcopy(model, memo)
+
+
+def step_seconds(prof: Profile, plan: Plan | None) -> float:
+    """A training step's seconds as ``prof`` prices it: the forward's ops (timed, or on
+    ``meta`` estimated from FLOPs and bytes written) and their per-op overhead, three times
+    (forward and a backward of about twice its work), plus what ``plan``'s recomputes add."""
+    root = prof[prof.tree.path]
+    forward = root.op_seconds + root.ops * prof.op_overhead
+    return 3 * forward + (0.0 if plan is None else plan.recompute_seconds or 0.0)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One batch size profiled on ``meta``: its inputs, profile, and the whole step's memory
+    at the lowest budget."""
+
+    batch: int
+    inputs: tuple[Any, dict[str, Any]]
+    profile: Profile
+    lowest: StepMemory
+    lowest_plan: Plan | None = None  # the plan at the lowest budget, when its calls count
+
+
+class Prober:
+    """Profiles the model's ``meta`` shadow at batch sizes, each once; or, for a model whose
+    step cannot run on ``meta``, scales real steps at small batches
+    (:mod:`autoremat.training.scaled_profile`)."""
+
+    def __init__(self, model: nn.Module, make_inputs: Inputs, opt: OptimizerMemory,
+                 dm: DeviceModel, loss_fn: LossFn | None, selective: bool,
+                 autocast: Autocast | None = None) -> None:  # fmt: skip
+        self.model, self.shadow = model, meta_shadow(model)
+        self.make_inputs, self.opt, self.dm = make_inputs, opt, dm
+        self.loss_fn, self.selective, self.autocast = loss_fn, selective, autocast
+        self.seen: dict[int, Probe] = {}
+        self.plain: dict[int, StepMemory] = {}
+        self.caches = bool(cache_modules(self.shadow))  # a Hugging Face model's
+        self.buffers = any(True for _ in model.buffers())
+        self.progress = Progress("fitting", 40, "batch sizes profiled on meta")
+        self.scaled: ScaledProfiles | None = None
+        self.noton_meta = ""  # why the step cannot run on meta, once it could not
+        self.by_allocator = False  # real steps on the CPU, by its allocator (on_the_device)
+
+    def probe(self, batch: int) -> Probe:
+        if batch not in self.seen:
+            with torch.device("meta"):
+                args, kwargs = self.make_inputs(batch)
+            args, kwargs = tree_map(on_meta, (args, kwargs))
+            prof = self.profile(batch, args, kwargs)
+            low = profile_lowest(prof, selective=self.selective)
+            plan = None  # (the RNG states and buffer copies its checkpoints keep count)
+            if (self.dm.rng_state or self.buffers) and low < prof.peak:
+                plan = plan_from_profile(self.model, prof, low, selective=self.selective)
+            calls, copies = checkpointed_calls(plan, prof), buffer_copies(plan, prof)
+            memory = step_memory(self.shadow, (args, kwargs), low, self.opt, self.dm, calls,
+                                 copies, self.by_allocator)  # fmt: skip
+            self.seen[batch] = Probe(batch, (args, kwargs), prof, memory, plan)
+            self.progress.step(f"batch {batch}")
+        return self.seen[batch]
+
+    def profile(self, batch: int, args: Any, kwargs: Any) -> Profile:
+        """The step's profile at ``batch`` (``args``, ``kwargs`` on ``meta``): the shadow's,
+        or, once the shadow cannot run and the real model can, scaled from real steps."""
+        if self.by_allocator:
+            return self.real(batch, memory="allocator")
+        if self.scaled is None:
+            try:
+                return profile(self.shadow, args, kwargs, loss_fn=self.loss_fn,
+                               autocast=self.autocast)  # fmt: skip
+            except Exception as exc:
+                if model_device(self.model).type == "meta":
+                    raise
+                first = self.real(batch)  # (its own error, when the real step fails too)
+                self.noton_meta = str(exc).splitlines()[0][:200]
+                self.scaled = ScaledProfiles(self.real, batch, first)
+                logger.warning(
+                    "fit: %s cannot be sized on meta (%s): sizing it from real steps on %s "
+                    "at batches %d, %d and %d, scaled", type(self.model).__name__,
+                    self.noton_meta, model_device(self.model), 2 * batch, 4 * batch, 6 * batch,
+                )  # fmt: skip
+        try:
+            return self.scaled.at(batch)
+        except NotScalable as exc:
+            raise NotScalable(
+                f"fit cannot size {type(self.model).__name__}: its step cannot run on meta "
+                f"({self.noton_meta}), and scaling real steps fails: {exc}. Plan a fixed "
+                f"batch instead (autoremat.plan_for_device(model, args, kwargs, "
+                f"device_memory=...))"
+            ) from None
+
+    def real(self, batch: int, memory: str = "tensors", hf_cache: bool = False) -> Profile:
+        """A real step of the model on its device at ``batch``, profiled (``memory`` and
+        ``hf_cache`` as :func:`~autoremat.costs.profile.profile` has them; by the allocator
+        untimed, as on ``meta``)."""
+        device = model_device(self.model)
+        args, kwargs = tree_map(
+            lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, self.make_inputs(batch)
+        )
+        how = {"loss_fn": self.loss_fn, "autocast": self.autocast, "hf_cache": hf_cache}
+        timed = memory == "tensors"
+        return profile(self.model, args, kwargs, memory=memory, timed=timed, **how)  # type: ignore[arg-type]
+
+    def on_the_device(self) -> Prober:
+        """A prober like this one that profiles real steps on the model's device, by the CPU
+        allocator (kernels' scratch counted: ``profile(memory="allocator")``)."""
+        found = Prober(self.model, self.make_inputs, self.opt, self.dm, self.loss_fn,
+                        self.selective, self.autocast)  # fmt: skip
+        found.by_allocator = True
+        found.progress = Progress("checking", 12, "batch sizes profiled on the device")
+        return found
+
+    def settle(self, guess: int, recompute: bool = True) -> int:
+        """The largest batch up to ``guess`` that fits as this prober sees it, when
+        ``guess + 1`` is known not to (0: none). The step's memory grows about linearly
+        with the batch, so each next batch tried is where the line through the two nearest
+        tried (one, at first: through no memory beyond what does not grow) meets the
+        device's limit, kept strictly between the largest that fits and the smallest that
+        does not; from the third on, every other try bisects instead (the line may be off):
+        a handful of real steps."""
+        need = {}  # batch -> the device memory it needs
+        lo, hi, batch = 0, guess + 1, guess
+        while hi - lo > 1:
+            memory = self.probe(batch).lowest if recompute else self.without(batch)
+            need[batch] = memory.device
+            fixed = memory.parameters + memory.buffers + memory.optimizer_state
+            lo, hi = (batch, hi) if need[batch] <= self.dm.limit else (lo, batch)
+            guess = _crossing(need, lo, hi, fixed, self.dm.limit)
+            if len(need) >= 3:  # (then bisection: the line may be off)
+                guess = (lo + hi) // 2 if len(need) % 2 else guess
+            batch = min(hi - 1, max(lo + 1, guess))
+        return lo
+
+    def without(self, batch: int) -> StepMemory:
+        """The whole step's memory of the model's own step at ``batch``, no recompute: a
+        Hugging Face model fills its key/value cache then (no applied plan lets it), so it is
+        profiled once more with it, only for the batches asked."""
+        if batch not in self.plain:
+            probe = self.probe(batch)
+            peak = probe.profile.peak
+            if self.caches and self.by_allocator:
+                peak = self.real(batch, memory="allocator", hf_cache=True).peak
+            elif self.caches and self.scaled is None:  # (scaled: priced without the cache)
+                args, kwargs = probe.inputs
+                how = {"loss_fn": self.loss_fn, "autocast": self.autocast, "hf_cache": True}
+                peak = profile(self.shadow, args, kwargs, **how).peak  # type: ignore[arg-type]
+            self.plain[batch] = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm,
+                                            scratch=self.by_allocator)  # fmt: skip
+        return self.plain[batch]
+
+    def fits(self, batch: int, recompute: bool = True) -> bool:
+        memory = self.probe(batch).lowest if recompute else self.without(batch)
+        return memory.device <= self.dm.limit
+
+    def smallest_running(self, top: int) -> int:
+        """The smallest of 1, 2, 4, ... (up to ``top``) whose step runs: a model normalising
+        over one value per channel at batch 1 (timm LeViT's BatchNorm on its last stage's
+        single token) runs from batch 2 on. Raises the first batch's error when none runs."""
+        batch, first = 1, None
+        while True:
+            try:
+                self.probe(batch)
+                return batch
+            except ExampleInputsError as exc:
+                first = first or exc
+                if 2 * batch > top:
+                    raise first from None
+                batch *= 2
+
+    def largest(self, top: int, recompute: bool = True) -> int:
+        """The largest batch in ``1..top`` that fits (0: none), by doubling then bisection
+        from the smallest batch that runs (:meth:`smallest_running`)."""
+        lo = self.smallest_running(top)
+        if not self.fits(lo, recompute):
+            return 0
+        hi = top + 1
+        while 2 * lo <= top:
+            if not self.fits(2 * lo, recompute):
+                hi = 2 * lo
+                break
+            lo *= 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(mid, recompute) else (lo, mid)
+        return lo
+
+    def candidate(self, batch: int) -> Candidate:
+        """``batch`` planned at what the device leaves for the step."""
+        probe = self.probe(batch)
+        prof = probe.profile
+        room = self.dm.for_tensors() - probe.lowest.resident
+        chosen = None
+        if room < prof.peak:  # (the largest batch is near its lowest budget by design)
+            chosen = plan_fitting(self.model, prof, room, self.dm.rng_state, self.selective,
+                                  fallback=probe.lowest_plan)  # fmt: skip
+        peak = prof.peak if chosen is None else chosen.estimated_peak or 0
+        calls, copies = checkpointed_calls(chosen, prof), buffer_copies(chosen, prof)
+        memory = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm, calls, copies,
+                             self.by_allocator)  # fmt: skip
+        seconds = step_seconds(prof, chosen)
+        out = prof[prof.tree.path].output_bytes
+        return Candidate(batch, memory, self.without(batch), chosen, seconds, out)
+
+
+def on_meta(value: Any) -> Any:
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+def _crossing(need: dict[int, int], lo: int, hi: int, fixed: int, limit: int) -> int:
+    """The batch at which the line through the memory needed at ``lo`` and ``hi`` (those
+    tried; else through ``fixed`` bytes at batch 0) reaches ``limit``, rounded down."""
+    known = [(b, need[b]) for b in (lo, hi) if b in need] or [(0, fixed)]
+    (b0, m0), (b1, m1) = [(0, fixed), *known][-2:]
+    if m1 == m0:
+        return b1
+    return math.floor(b0 + (limit - m0) * (b1 - b0) / (m1 - m0))
+

@@ -1,0 +1,264 @@
+"""Lightning on 2 CPU processes (gloo): the callback under ``strategy="ddp"``, and the FSDP2
+recipe under ``ModelParallelStrategy``.
+
+The processes are started here, with the environment a launcher gives (``LOCAL_RANK``,
+``WORLD_SIZE``, ...), so Lightning takes them as created outside it. Each rank trains the same
+model with dropout for 3 steps, without autoremat and with it, and compares:
+
+* DDP with the callback: the plan is made on rank 0 and sent to every rank
+  (:func:`autoremat.broadcast_plan`, inside the callback), so both ranks recompute the same
+  modules (rank 1 is given another budget, to show it); losses and DDP-averaged gradients at
+  every step are bitwise those without the callback;
+* ``ModelParallelStrategy``: a plan made before sharding, applied in ``configure_model``
+  before ``fully_shard``, trains bitwise as without it; the callback on the model the
+  strategy already sharded is refused on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autoremat.comparison.recomputed import RecomputeCounter
+
+WORLD = 2
+TIMEOUT = 600
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed/gloo"
+)
+
+
+def _run(pl: Any, callbacks: list[Any]) -> Any:
+    from torch import nn
+
+    class Net(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            layers: list[nn.Module] = []
+            for _ in range(6):
+                layers += [nn.Linear(128, 128), nn.GELU(), nn.Dropout(0.1)]
+            self.net = nn.Sequential(*layers, nn.Linear(128, 1))
+            self.losses: list[torch.Tensor] = []
+            self.grads: list[list[torch.Tensor]] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x), y)
+            self.losses.append(loss.detach().clone())
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            self.grads.append([p.grad.clone() for p in self.parameters()])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    pl.seed_everything(0, verbose=False)
+    module = Net()
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(6 * 128, 128, generator=g),
+                                          torch.randn(6 * 128, 1, generator=g))  # fmt: skip
+    loader = torch.utils.data.DataLoader(data, batch_size=128)
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=WORLD, strategy="ddp",
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+    trainer.fit(module, loader)
+    return module
+
+
+@functools.cache
+def _sharded_class(pl: Any) -> Any:
+    """A LightningModule whose ``configure_model`` applies its ``plan`` (if any), then
+    ``fully_shard`` on each block and on the head."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    class Sharded(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self, plan: Any = None) -> None:
+            super().__init__()
+            self.plan = plan
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Dropout(0.1)) for _ in range(6)
+            )
+            self.head = nn.Linear(128, 1)
+            self.losses: list[torch.Tensor] = []
+            self.grads: list[list[torch.Tensor]] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+        def configure_model(self) -> None:
+            if self.plan is not None:
+                self.plan.apply(self)
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.head, mesh=mesh)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x), y)
+            self.losses.append(loss.detach().clone())
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            self.grads.append([p.grad.full_tensor() for p in self.parameters()])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Sharded
+
+
+def _run_sharded(pl: Any, plan: Any, callbacks: list[Any]) -> Any:
+    """3 steps under ``ModelParallelStrategy`` (FSDP2 over both ranks) of
+    :func:`_sharded_class`'s module with ``plan``."""
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    pl.seed_everything(0, verbose=False)
+    module = _sharded_class(pl)(plan)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(6 * 128, 128, generator=g),
+                                          torch.randn(6 * 128, 1, generator=g))  # fmt: skip
+    loader = torch.utils.data.DataLoader(data, batch_size=128)
+    strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=WORLD, strategy=strategy,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+    trainer.fit(module, loader)
+    return module
+
+
+def _same(plain: Any, planned: Any) -> list[bool]:
+    """Three steps each; bitwise equal losses; bitwise equal gradients at every step."""
+    return [
+        len(plain.losses) == len(planned.losses) == 3,
+        all(torch.equal(a, b) for a, b in zip(plain.losses, planned.losses, strict=True)),
+        all(torch.equal(a, b) for mine, theirs in zip(plain.grads, planned.grads, strict=True)
+            for a, b in zip(mine, theirs, strict=True)),
+    ]
+
+
+def _sharded(pl: Any) -> dict[str, Any]:
+    """The FSDP2 recipe (a plan made before sharding, applied in ``configure_model``) against
+    no plan; and the callback on a model already sharded, refused on every rank."""
+    import autoremat
+    from autoremat.integrations.lightning_callback import AutoRematLightning
+
+    x = torch.randn(128, 128)  # (one rank's batch)
+    plan = autoremat.plan(_sharded_class(pl)(), (x,), budget="80%", objective="flops")
+    plain = _run_sharded(pl, None, [])
+    with RecomputeCounter() as seen:
+        planned = _run_sharded(pl, plan, [])
+    try:
+        _run_sharded(pl, None, [AutoRematLightning(budget="50%")])
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    return {"sharded_plan": list(plan.modules), "sharded_same": _same(plain, planned),
+            "sharded_missing": seen.missing(plan.modules), "refused": refused}  # fmt: skip
+
+
+def _worker(rank: int, out: Path) -> None:
+    import pytorch_lightning as pl
+
+    from autoremat.integrations.lightning_callback import AutoRematLightning
+
+    torch.set_num_threads(1)
+    plain = _run(pl, [])
+    # (another budget on rank 1: its own plan would differ; it must get rank 0's)
+    callback = AutoRematLightning(budget="50%" if rank == 0 else "95%", objective="flops")
+    with RecomputeCounter() as seen:
+        planned = _run(pl, [callback])
+    assert callback.plan is not None
+    same = _same(plain, planned)
+    found = {"plan": list(callback.plan.modules), "same": same,
+             "missing": seen.missing(callback.plan.modules),
+             "grads": [g.sum().item() for g in planned.grads[0]], **_sharded(pl)}  # fmt: skip
+    (out / f"rank{rank}.json").write_text(json.dumps(found))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    pytest.importorskip("pytorch_lightning")
+    out = tmp_path_factory.mktemp("lightning_ddp")
+    port = str(_free_port())
+    procs, logs = [], []
+    for r in range(WORLD):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "WORLD_SIZE": str(WORLD), "RANK": str(r),
+               "LOCAL_RANK": str(r), "NODE_RANK": "0"}  # fmt: skip
+        logs.append(open(out / f"log{r}.txt", "w"))  # noqa: SIM115
+        procs.append(subprocess.Popen([sys.executable, __file__, str(r), str(out)], env=env,
+                                      stdout=logs[-1], stderr=logs[-1]))  # fmt: skip
+    deadline = time.monotonic() + TIMEOUT
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for log in logs:
+        log.close()
+    if any(p.returncode != 0 for p in procs):
+        text = "\n".join((out / f"log{r}.txt").read_text()[-3000:] for r in range(WORLD))
+        pytest.fail(f"a rank failed or hung\n{text}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.slow
+def test_the_lightning_callback_under_ddp_plans_once_and_trains_exactly(ranks):
+    """Both ranks apply rank 0's plan (not empty; rank 1 was given another budget, whose plan
+    would differ), and train bitwise as without the callback (losses, and the gradients DDP
+    averaged, at every step); the ranks' gradients agree."""
+    assert ranks[0]["plan"] and ranks[0]["plan"] == ranks[1]["plan"]
+    for r in ranks:
+        assert r["same"] == [True, True, True]
+        assert r["missing"] == []  # every entry ran ops in a recompute
+    assert ranks[0]["grads"] == ranks[1]["grads"]
+
+
+@pytest.mark.slow
+def test_under_model_parallel_a_plan_applied_before_fully_shard_trains_exactly(ranks):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 over both ranks): a plan made before
+    sharding and applied in ``configure_model`` before ``fully_shard`` trains bitwise as
+    without it (losses, full gradients at every step); the callback on the model the
+    strategy already sharded is refused on every rank, naming the recipe."""
+    for r in ranks:
+        assert r["sharded_plan"] and r["sharded_same"] == [True, True, True]
+        assert r["sharded_missing"] == []  # every entry ran ops in a recompute
+        assert "already sharded by FSDP" in r["refused"] and "configure_model" in r["refused"]
+
+
+if __name__ == "__main__":
+    _rank, _out = int(sys.argv[1]), Path(sys.argv[2])
+    try:
+        _worker(_rank, _out)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
