@@ -1,5 +1,6 @@
-"""Lightning on 2 CPU processes (gloo): the callback under ``strategy="ddp"``, and the FSDP2
-recipe under ``ModelParallelStrategy``.
+"""Trainers on 2 CPU processes (gloo): the Lightning callback under ``strategy="ddp"``, the FSDP2
+recipe under Lightning's ``ModelParallelStrategy``, and the Hugging Face ``Trainer`` callback
+under DDP (``ddp_backend="gloo"``).
 
 The processes are started here, with the environment a launcher gives (``LOCAL_RANK``,
 ``WORLD_SIZE``, ...), so Lightning takes them as created outside it. Each rank trains the same
@@ -176,6 +177,38 @@ def _sharded(pl: Any) -> dict[str, Any]:
             "sharded_missing": seen.missing(plan.modules), "refused": refused}  # fmt: skip
 
 
+def _hf_worker(rank: int, out: Path) -> None:
+    """The Hugging Face Trainer under DDP (gloo): without the callback, then with it."""
+    import transformers
+
+    from autoremat.integrations.huggingface_trainer import AutoRematCallback
+    from test_integrations import _gpt2, _Recorded, _rows
+
+    torch.set_num_threads(1)
+
+    def train(callbacks: list[Any], where: str) -> Any:
+        args = transformers.TrainingArguments(
+            output_dir=str(out / where), max_steps=3, per_device_train_batch_size=4,
+            learning_rate=1e-3, seed=0, report_to="none", use_cpu=True, logging_steps=1,
+            save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, ddp_backend="gloo",
+        )  # fmt: skip
+        trainer = _Recorded(model=_gpt2(), args=args, train_dataset=_rows(), callbacks=callbacks)
+        trainer.train()
+        return trainer
+
+    plain = train([], "plain")
+    # (another budget on rank 1: its own plan would differ; it must get rank 0's)
+    callback = AutoRematCallback(budget="50%" if rank == 0 else "95%", objective="flops")
+    with RecomputeCounter() as seen:
+        planned = train([callback], "planned")
+    assert callback.plan is not None
+    found = {"plan": list(callback.plan.modules), "same": _same(plain, planned),
+             "missing": seen.missing(callback.plan.modules),
+             "wrapped": type(planned.model_wrapped).__name__,
+             "grads": [g.sum().item() for g in planned.grads[0]]}  # fmt: skip
+    (out / f"rank{rank}.json").write_text(json.dumps(found))
+
+
 def _worker(rank: int, out: Path) -> None:
     import pytorch_lightning as pl
 
@@ -201,10 +234,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    pytest.importorskip("pytorch_lightning")
-    out = tmp_path_factory.mktemp("lightning_ddp")
+def _launch(mode: str, out: Path) -> list[dict[str, Any]]:
+    """Run ``mode``'s worker (``lightning`` or ``huggingface``) on :data:`WORLD` processes."""
     port = str(_free_port())
     procs, logs = [], []
     for r in range(WORLD):
@@ -212,8 +243,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
                "MASTER_PORT": port, "WORLD_SIZE": str(WORLD), "RANK": str(r),
                "LOCAL_RANK": str(r), "NODE_RANK": "0"}  # fmt: skip
         logs.append(open(out / f"log{r}.txt", "w"))  # noqa: SIM115
-        procs.append(subprocess.Popen([sys.executable, __file__, str(r), str(out)], env=env,
-                                      stdout=logs[-1], stderr=logs[-1]))  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, __file__, mode, str(r), str(out)],
+                                      env=env, stdout=logs[-1], stderr=logs[-1]))  # fmt: skip
     deadline = time.monotonic() + TIMEOUT
     for p in procs:
         try:
@@ -227,6 +258,32 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         text = "\n".join((out / f"log{r}.txt").read_text()[-3000:] for r in range(WORLD))
         pytest.fail(f"a rank failed or hung\n{text}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    pytest.importorskip("pytorch_lightning")
+    return _launch("lightning", tmp_path_factory.mktemp("lightning_ranks"))
+
+
+@pytest.fixture(scope="module")
+def hf_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    return _launch("huggingface", tmp_path_factory.mktemp("hf_ranks"))
+
+
+@pytest.mark.slow
+def test_the_trainer_callback_under_ddp_plans_once_and_trains_exactly(hf_ranks):
+    """The Hugging Face Trainer on 2 processes (``ddp_backend="gloo"``; the Trainer wraps the
+    model in DDP): both ranks apply rank 0's plan (rank 1 was given another budget), every
+    entry is recomputed, and losses and gradients at every step are bitwise those without
+    the callback."""
+    assert hf_ranks[0]["plan"] and hf_ranks[0]["plan"] == hf_ranks[1]["plan"]
+    for r in hf_ranks:
+        assert r["wrapped"] == "DistributedDataParallel"
+        assert r["same"] == [True, True, True] and r["missing"] == []
+    assert hf_ranks[0]["grads"] == hf_ranks[1]["grads"]
 
 
 @pytest.mark.slow
@@ -254,9 +311,9 @@ def test_under_model_parallel_a_plan_applied_before_fully_shard_trains_exactly(r
 
 
 if __name__ == "__main__":
-    _rank, _out = int(sys.argv[1]), Path(sys.argv[2])
+    _mode, _rank, _out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     try:
-        _worker(_rank, _out)
+        (_worker if _mode == "lightning" else _hf_worker)(_rank, _out)
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
