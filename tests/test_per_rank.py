@@ -300,12 +300,54 @@ def test_sharding_is_checked_and_units_default_to_the_blocks():
     assert default_units(tiny) == ("h.0", "h.1", "h.2", "h.3")
     assert default_units(hf) == tuple(f"transformer.h.{i}" for i in range(4))
     assert sharding_of(tiny, 1, None) is None
-    with pytest.raises(ValueError, match="needs sharding='ddp' or 'fsdp2'"):
+    assert sharding_of(tiny, 1, Sharding("fsdp2", 2)).units == default_units(tiny)
+    with pytest.raises(ValueError, match="needs a sharding, 'ddp' or 'fsdp2' \\(--sharding"):
         sharding_of(tiny, 2, None)
+    for world in (0, 2.5, True):
+        with pytest.raises(ValueError, match="world_size must be a whole number >= 1"):
+            sharding_of(tiny, world, "ddp")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="sharding must be one of ddp, fsdp2"):
         sharding_of(tiny, 2, "zero3")
+    with pytest.raises(ValueError, match="sharding must be one of ddp, fsdp2"):
+        Sharding("zero3", 2)
     with pytest.raises(ValueError, match=r"\['h.9'\] are not submodules of TinyGPT"):
         sharding_of(tiny, 2, "fsdp2", units=["h.9"])
+    with pytest.raises(ValueError, match=r"\['h.9'\] are not submodules of TinyGPT"):
+        sharding_of(tiny, 1, Sharding("fsdp2", 2, units=("h.9",)))
+    with pytest.raises(ValueError, match=r"world_size=4 and fsdp2 over 2 ranks .* disagree"):
+        sharding_of(tiny, 4, Sharding("fsdp2", 2))
+    with pytest.raises(ValueError, match="FSDP2's settings"):
+        sharding_of(tiny, 2, "ddp", units=["h.0"])
+    with pytest.raises(ValueError, match="FSDP2's settings"):
+        Sharding("ddp", 2, reshard_after_forward=False)
+    with pytest.raises(ValueError, match=r"mp_policy must be a torch\.distributed\.fsdp\.Mixed"):
+        Sharding("fsdp2", 2, mp_policy="bf16")
+
+
+def test_a_model_without_blocks_is_sharded_at_the_root_with_a_warning(caplog):
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+    with caplog.at_level("WARNING", logger="autoremat.training.sharding"):
+        spec = sharding_of(model, 2, "fsdp2")
+    assert spec is not None and spec.units == ()
+    assert "only the root is a unit" in caplog.text and "fsdp_units=" in caplog.text
+    assert "(the root only)" in str(spec)
+
+
+def test_a_step_that_reads_values_cannot_be_emulated_and_says_what_to_do():
+    class Routed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x[x.sum(-1).nonzero().squeeze(-1)].sum()  # (rows chosen by value)
+
+    model, x = Routed(), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="Routed's FSDP2 rank cannot be emulated on fake"):
+        autoremat.predict_training(model, (x,), world_size=2, sharding="fsdp2")
+    assert autoremat.predict_training(model, (x,), world_size=2, sharding="ddp").buckets > 0
 
 
 def test_the_emulation_leaves_no_process_group_and_shards_by_the_world():
@@ -336,7 +378,7 @@ def test_the_fit_command_sizes_one_rank(capsys):
     assert "per rank: fsdp2 over 4 ranks" in out and "parameters (this rank's shards)" in out
     assert "not verified (sized per rank" in out
     assert main(["fit", "mlp", "--device-memory", "48MiB", "--world-size", "4"]) == 2
-    assert "world_size=4 needs sharding='ddp' or 'fsdp2'" in capsys.readouterr().err
+    assert "world_size=4 needs a sharding, 'ddp' or 'fsdp2' (--sharding" in capsys.readouterr().err
 
 
 if __name__ == "__main__":

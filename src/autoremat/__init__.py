@@ -35,6 +35,7 @@ from autoremat.training.measure_training import TrainingMeasurement, measure_tra
 from autoremat.training.plan_for_device import plan_for_device
 from autoremat.training.predict_training import predict_training
 from autoremat.training.scale_batch import scale_batch
+from autoremat.training.sharding import Sharding
 from autoremat.training.step_memory import StepMemory
 from autoremat.wrap.checkpointed import wrapped_paths
 from autoremat.wrap.replay import is_recomputing
@@ -51,6 +52,7 @@ __all__ = [
     "NodeCost",
     "Plan",
     "Profile",
+    "Sharding",
     "StepMemory",
     "TensorInfo",
     "TrainingMeasurement",

@@ -116,6 +116,7 @@ def _fit_command(ns: argparse.Namespace) -> int:
         autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(ns.autocast or ""),
         world_size=ns.world_size,
         sharding=ns.sharding,
+        fsdp_units=None if ns.fsdp_units is None else ns.fsdp_units.split(","),
     )
     example = batch_size_of(args, kwargs, ns.batch_dim)
     print(f"{ns.target} (example batch {example} along dimension {ns.batch_dim}, ", end="")

@@ -65,7 +65,7 @@ TARGET_HELP = "a built-in example name, or FILE.py:FACTORY (the file is executed
 VALUE_OPTIONS = (
     "--autocast", "--batch-dim", "--budget", "--device", "--device-memory", "--loss",
     "--max-batch", "--objective", "--optimizer", "--repeats", "--rounds", "--segments",
-    "--sharding", "--world-size",
+    "--fsdp-units", "--sharding", "--world-size",
 )  # fmt: skip
 
 
@@ -211,6 +211,11 @@ def _add_fit(p_fit: argparse.ArgumentParser) -> None:
         "--no-verify", action="store_true", help="do not run the batch found on the device"
     )
     p_fit.add_argument("--loss", metavar="WHERE", help=LOSS_HELP)
+    _add_ranks(p_fit)
+
+
+def _add_ranks(p_fit: argparse.ArgumentParser) -> None:
+    """``fit``'s options for one rank of a job: --world-size, --sharding, --fsdp-units."""
     p_fit.add_argument(
         "--world-size",
         type=int,
@@ -223,4 +228,11 @@ def _add_fit(p_fit: argparse.ArgumentParser) -> None:
         choices=SHARDINGS,
         default=None,
         help="how the ranks share the model: ddp, or fsdp2 (fully_shard per block and the root)",
+    )
+    p_fit.add_argument(
+        "--fsdp-units",
+        metavar="PATHS",
+        default=None,
+        help="fsdp2: the modules fully_shard is called on, comma-separated paths (default: the "
+        "model's blocks)",
     )

@@ -101,7 +101,7 @@ def plan_for_rank(
             f"{type(model).__name__}'s training step does not fit {dm} per rank "
             f"({step.sharding}): with the most recompute it needs "
             f"{format_size(floor.device)}:\n{floor}\nUse a smaller batch per rank, more "
-            f"ranks, or FSDP2 over DDP",
+            f"ranks{', or FSDP2 over DDP' * (step.sharding.strategy == 'ddp')}",
             lowest,
             prof.peak,
         )

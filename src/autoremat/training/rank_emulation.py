@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from autoremat.core import huggingface
 from autoremat.core.huggingface import ordinary_positions_on_meta
 from autoremat.core.nested import tensor_bytes
 from autoremat.planning.plans import Plan
@@ -159,12 +162,10 @@ def emulate_fsdp2(
         how: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": keep}
         if sharding.mp_policy is not None:
             how["mp_policy"] = sharding.mp_policy
-        for path in sharding.units:
+        for path in sharding.units or ():
             fully_shard(shadow.get_submodule(path), **how)
         fully_shard(shadow, **how)
-        train_step(shadow, args, kwargs, loss_fn, autocast=cast)  # (FSDP2's lazy init)
-        with ResizeCountingMemory() as step:
-            train_step(shadow, args, kwargs, loss_fn, autocast=cast)
+        step = _stepped(model, shadow, args, kwargs, loss_fn, cast)
         shards = tuple(_local(p) for p in shadow.parameters() if p.requires_grad)
         grads = [_local(p.grad) for p in shadow.parameters() if p.grad is not None]
         return EmulatedRank(
@@ -173,6 +174,37 @@ def emulate_fsdp2(
             step_peak=step.peak,
             shards=shards,
         )
+
+
+def _stepped(model: nn.Module, shadow: nn.Module, args: Any, kwargs: Any,
+             loss_fn: LossFn | None, cast: Autocast | None) -> ResizeCountingMemory:  # fmt: skip
+    """Two steps of the sharded fake ``shadow`` (the first: FSDP2's lazy init), the second
+    counted; FSDP2's and the model's warnings about the emulation's classes kept quiet.
+
+    Raises:
+        ValueError: the step cannot run on fake tensors (it reads values: ``nonzero``
+            routing, ``.item()``), naming the model and what to do.
+    """
+    quiet = huggingface.logger  # (its use_cache note would name FSDP's class)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            train_step(shadow, args, kwargs, loss_fn, autocast=cast)
+            with ResizeCountingMemory() as step:
+                train_step(shadow, args, kwargs, loss_fn, autocast=cast)
+        return step
+    except Exception as exc:
+        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise ValueError(
+            f"{type(model).__name__}'s FSDP2 rank cannot be emulated on fake tensors "
+            f"({type(exc).__name__}: {why}): its step reads values (data-dependent ops such "
+            f"as nonzero routing). Plan one rank's batch on the real device instead "
+            f"(autoremat.plan_for_device) and add FSDP2's gathers by hand (docs/scale.md)"
+        ) from exc
+    finally:
+        quiet.setLevel(level)
 
 
 def _fake(value: Any) -> Any:

@@ -21,6 +21,8 @@ default (:func:`default_units`) the classes a Hugging Face model names in
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,30 +30,64 @@ from torch import nn
 
 __all__ = ["SHARDINGS", "Sharding", "default_units", "sharding_of"]
 
+logger = logging.getLogger(__name__)
+
 SHARDINGS = ("ddp", "fsdp2")
 
 
 @dataclass(frozen=True)
 class Sharding:
     """``strategy`` (``"ddp"`` or ``"fsdp2"``) over ``world_size`` ranks; for FSDP2 the
-    ``units`` it shards one by one (paths, the root excluded), ``reshard_after_forward`` and
-    ``mp_policy`` (an FSDP2 ``MixedPrecisionPolicy``: ``param_dtype=torch.bfloat16`` gathers
-    and computes in bf16 from fp32 shards), as ``fully_shard`` takes them."""
+    ``units`` it shards one by one (paths, the root excluded; ``None``: the model's blocks,
+    :func:`default_units`), ``reshard_after_forward`` and ``mp_policy`` (an FSDP2
+    ``MixedPrecisionPolicy``: ``param_dtype=torch.bfloat16`` gathers and computes in bf16
+    from fp32 shards), as ``fully_shard`` takes them.
+
+    Raises:
+        ValueError: an unknown strategy, ``world_size`` not a whole number >= 1, FSDP2's
+            settings given for DDP, an ``mp_policy`` that is not a ``MixedPrecisionPolicy``.
+    """
 
     strategy: str
     world_size: int
-    units: tuple[str, ...] = ()
+    units: tuple[str, ...] | None = None
     reshard_after_forward: bool = True
     mp_policy: Any = None
 
+    def __post_init__(self) -> None:
+        if self.strategy not in SHARDINGS:
+            raise ValueError(
+                f"sharding must be one of {', '.join(SHARDINGS)}, got {self.strategy!r}"
+            )
+        _check_world(self.world_size)
+        fsdp_only = self.units is not None or not self.reshard_after_forward or self.mp_policy
+        if self.strategy == "ddp" and fsdp_only:
+            raise ValueError(
+                "units, reshard_after_forward and mp_policy are FSDP2's settings: DDP keeps "
+                "the whole model on every rank; drop them, or use sharding='fsdp2'"
+            )
+        if self.mp_policy is not None and not hasattr(self.mp_policy, "param_dtype"):
+            raise ValueError(
+                f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+                f"{type(self.mp_policy).__name__}"
+            )
+
     def __str__(self) -> str:
-        text = f"{self.strategy} over {self.world_size} ranks"
+        ranks = "rank" if self.world_size == 1 else "ranks"
+        text = f"{self.strategy} over {self.world_size} {ranks}"
         if self.strategy == "fsdp2":
             keep = "" if self.reshard_after_forward else ", reshard_after_forward=False"
             dtype = getattr(self.mp_policy, "param_dtype", None)
             cast = "" if dtype is None else f", parameters in {str(dtype).replace('torch.', '')}"
-            text += f" ({len(self.units)} units and the root{keep}{cast})"
+            count = len(self.units or ())
+            units = f"{count} unit{'s' * (count != 1)} and the root" if count else "the root only"
+            text += f" ({units}{keep}{cast})"
         return text
+
+
+def _check_world(world_size: Any) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
 
 
 def default_units(model: nn.Module) -> tuple[str, ...]:
@@ -84,29 +120,46 @@ def sharding_of(
     reshard_after_forward: bool = True,
 ) -> Sharding | None:
     """The :class:`Sharding` ``world_size`` ranks and ``sharding`` (a name of
-    :data:`SHARDINGS`, or a :class:`Sharding`, returned as it is) give ``model``; ``None``
-    for one device (``sharding=None``, ``world_size=1``).
+    :data:`SHARDINGS`, or a :class:`Sharding`, its world size then the one that counts) give
+    ``model``, its FSDP2 units checked (and, when not given, its blocks); ``None`` for one
+    device (``sharding=None``, ``world_size=1``). Warns when FSDP2 finds no block to shard.
 
     Raises:
-        ValueError: ``world_size`` below 1, or above 1 without a strategy; an unknown
-            strategy, or a unit that is not a submodule of ``model`` (named).
+        ValueError: ``world_size`` not a whole number >= 1, or above 1 without a strategy; a
+            ``Sharding`` with another world size, or with ``units``/``reshard_after_forward``
+            given beside it; an unknown strategy; FSDP2's settings for DDP; a unit that is
+            not a submodule of ``model`` (named).
     """
-    if isinstance(sharding, Sharding):
-        return sharding
+    _check_world(world_size)
     if sharding is None:
         if world_size != 1:
             raise ValueError(
-                f"world_size={world_size} needs sharding='ddp' or 'fsdp2': how the ranks "
-                f"share the model decides what each holds"
+                f"world_size={world_size} needs a sharding, 'ddp' or 'fsdp2' (--sharding on "
+                f"the command line): how the ranks share the model decides what each holds"
             )
         return None
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if sharding not in SHARDINGS:
-        raise ValueError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
-    if sharding == "ddp":
-        return Sharding("ddp", world_size)
-    chosen = default_units(model) if units is None else tuple(units)
+    if isinstance(sharding, Sharding):
+        if world_size not in (1, sharding.world_size):
+            raise ValueError(f"world_size={world_size} and {sharding} disagree: give one")
+        if units is not None or not reshard_after_forward:
+            raise ValueError("give units and reshard_after_forward in the Sharding, not beside it")
+        spec = sharding
+    elif sharding == "ddp" and (units is not None or not reshard_after_forward):
+        raise ValueError(
+            "fsdp_units and reshard_after_forward are FSDP2's settings: DDP keeps the whole "
+            "model on every rank; drop them, or use sharding='fsdp2'"
+        )
+    else:
+        spec = Sharding(sharding, world_size, None if units is None else tuple(units),
+                        reshard_after_forward if sharding == "fsdp2" else True)  # fmt: skip
+    return _with_units(model, spec)
+
+
+def _with_units(model: nn.Module, spec: Sharding) -> Sharding:
+    """``spec`` with FSDP2's units checked against ``model``, its blocks when not given."""
+    if spec.strategy != "fsdp2":
+        return spec
+    chosen = default_units(model) if spec.units is None else spec.units
     paths = {path for path, _ in model.named_modules()}
     missing = [u for u in chosen if u not in paths or not u]
     if missing:
@@ -114,4 +167,11 @@ def sharding_of(
             f"fsdp2 units {missing} are not submodules of {type(model).__name__}: name the "
             f"modules fully_shard is called on, by path (the root is always a unit)"
         )
-    return Sharding("fsdp2", world_size, chosen, reshard_after_forward)
+    if not chosen:
+        logger.warning(
+            "fsdp2: %s has no blocks to shard one by one (no _no_split_modules, no "
+            "nn.ModuleList): only the root is a unit, gathered whole for the step; name the "
+            "modules you fully_shard with fsdp_units=[...] (--fsdp-units)",
+            type(model).__name__,
+        )
+    return dataclasses.replace(spec, units=tuple(chosen))
