@@ -29,6 +29,7 @@ from autoremat import wrap
 from autoremat.examples import TinyGPT
 from autoremat.planning.fingerprint import fingerprint, structure
 from autoremat.record.memory import LiveMemory
+from autoremat.training.rank_emulation import ResizeCountingMemory
 
 WORLD = 2
 BATCH = 4  # per rank
@@ -64,31 +65,6 @@ def step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     model(x, targets=y)["loss"].backward()
 
 
-class _ShardMemory(LiveMemory):
-    """:class:`LiveMemory` that also counts ``UntypedStorage.resize_``: FSDP2 frees the
-    unsharded parameters of a module with ``resize_(0)`` and allocates them again with
-    ``resize_(n)``, which no op shows. Only for storages made before it was entered (run a
-    warm-up step first, so that FSDP2's unsharded storages exist)."""
-
-    def __enter__(self) -> _ShardMemory:
-        self._resize = torch.UntypedStorage.resize_
-        original = self._resize
-
-        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
-            before = storage.nbytes()
-            out = original(storage, size)
-            self.current += storage.nbytes() - before
-            self.peak = max(self.peak, self.current)
-            return out
-
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
-        return super().__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
-        super().__exit__(*exc)
-
-
 def _shard(model: TinyGPT, mesh: Any) -> TinyGPT:
     from torch.distributed.fsdp import fully_shard
 
@@ -104,7 +80,7 @@ def _fsdp_peaks(model: TinyGPT, x: torch.Tensor, y: torch.Tensor) -> tuple[int, 
     figures) keeps it."""
     step(model, x, y)  # warm-up: lazy init, unsharded storages made once
     peaks = []
-    for tracker in (_ShardMemory(), LiveMemory()):
+    for tracker in (ResizeCountingMemory(), LiveMemory()):
         model.zero_grad(set_to_none=True)
         with tracker:
             out = model(x, targets=y)

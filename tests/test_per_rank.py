@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -39,6 +37,7 @@ from autoremat.training.device_model import CPU_RNG_STATE
 from autoremat.training.rank_emulation import ResizeCountingMemory
 from autoremat.training.sharding import Sharding, default_units, sharding_of
 from autoremat.training.step_memory import checkpointed_calls
+from launch_ranks import run_ranks
 
 TOKENS = 32
 TIMEOUT = 600
@@ -154,23 +153,8 @@ def launch(world: int, cases: list[dict[str, Any]], out: Path) -> list[list[dict
     """Run :func:`_worker` on ``world`` processes over ``cases``; each rank's figures."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    logs = [open(out / f"log{r}.txt", "w") for r in range(world)]  # noqa: SIM115
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(out)], env=env,
-                              stdout=log, stderr=log) for r, log in enumerate(logs)]  # fmt: skip
-    deadline = time.monotonic() + TIMEOUT
-    for p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    for log in logs:
-        log.close()
-    if any(p.returncode != 0 for p in procs):
-        text = "\n".join((out / f"log{r}.txt").read_text()[-3000:] for r in range(world))
-        pytest.fail(f"a rank failed or hung\n{text}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return run_ranks(__file__, world, out, lambda r: [str(r), str(world), str(out)],
+                     timeout=TIMEOUT)  # fmt: skip
 
 
 def measured_total(case: dict[str, Any], seen: dict[str, int], most: bool = False) -> int:
@@ -390,3 +374,6 @@ if __name__ == "__main__":
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (no interpreter teardown: a trainer's or gloo's threads may abort it)

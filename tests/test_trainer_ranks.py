@@ -21,9 +21,7 @@ import functools
 import json
 import os
 import socket
-import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from autoremat.comparison.recomputed import RecomputeCounter
+from launch_ranks import run_ranks
 
 WORLD = 2
 TIMEOUT = 600
@@ -41,58 +40,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(pl: Any, callbacks: list[Any]) -> Any:
-    from torch import nn
-
-    class Net(pl.LightningModule):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__()
-            layers: list[nn.Module] = []
-            for _ in range(6):
-                layers += [nn.Linear(128, 128), nn.GELU(), nn.Dropout(0.1)]
-            self.net = nn.Sequential(*layers, nn.Linear(128, 1))
-            self.losses: list[torch.Tensor] = []
-            self.grads: list[list[torch.Tensor]] = []
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.net(x)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            loss = nn.functional.mse_loss(self(x), y)
-            self.losses.append(loss.detach().clone())
-            return loss
-
-        def on_before_optimizer_step(self, optimizer: Any) -> None:
-            self.grads.append([p.grad.clone() for p in self.parameters()])
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    pl.seed_everything(0, verbose=False)
-    module = Net()
-    g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(6 * 128, 128, generator=g),
-                                          torch.randn(6 * 128, 1, generator=g))  # fmt: skip
-    loader = torch.utils.data.DataLoader(data, batch_size=128)
-    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=WORLD, strategy="ddp",
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=callbacks)  # fmt: skip
-    trainer.fit(module, loader)
-    return module
-
-
 @functools.cache
-def _sharded_class(pl: Any) -> Any:
-    """A LightningModule whose ``configure_model`` applies its ``plan`` (if any), then
-    ``fully_shard`` on each block and on the head."""
+def _module_class(pl: Any) -> Any:
+    """A LightningModule of 6 blocks (Linear, GELU, Dropout) and a head. With ``shard``, its
+    ``configure_model`` applies its ``plan`` (if any), then ``fully_shard`` on each block and
+    on the head (the FSDP2 recipe); it records each step's loss and full gradients."""
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    class Sharded(pl.LightningModule):  # type: ignore[misc]
-        def __init__(self, plan: Any = None) -> None:
+    class Net(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self, plan: Any = None, shard: bool = False) -> None:
             super().__init__()
-            self.plan = plan
+            self.plan, self.shard = plan, shard
             self.blocks = nn.ModuleList(
                 nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Dropout(0.1)) for _ in range(6)
             )
@@ -108,10 +67,11 @@ def _sharded_class(pl: Any) -> Any:
         def configure_model(self) -> None:
             if self.plan is not None:
                 self.plan.apply(self)
-            mesh = self.device_mesh["data_parallel"]
-            for block in self.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(self.head, mesh=mesh)
+            if self.shard:
+                mesh = self.device_mesh["data_parallel"]
+                for block in self.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(self.head, mesh=mesh)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
@@ -120,28 +80,30 @@ def _sharded_class(pl: Any) -> Any:
             return loss
 
         def on_before_optimizer_step(self, optimizer: Any) -> None:
-            self.grads.append([p.grad.full_tensor() for p in self.parameters()])
+            self.grads.append([getattr(p.grad, "full_tensor", p.grad.clone)()
+                               for p in self.parameters()])  # fmt: skip
 
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-    return Sharded
+    return Net
 
 
-def _run_sharded(pl: Any, plan: Any, callbacks: list[Any]) -> Any:
-    """3 steps under ``ModelParallelStrategy`` (FSDP2 over both ranks) of
-    :func:`_sharded_class`'s module with ``plan``."""
+def _run(pl: Any, callbacks: list[Any], plan: Any = None, shard: bool = False) -> Any:
+    """3 steps on both ranks: under ``strategy="ddp"``, or with ``shard`` under
+    ``ModelParallelStrategy`` (FSDP2 over both ranks); the module, as trained."""
     from pytorch_lightning.strategies import ModelParallelStrategy
 
     pl.seed_everything(0, verbose=False)
-    module = _sharded_class(pl)(plan)
+    module = _module_class(pl)(plan, shard)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(6 * 128, 128, generator=g),
                                           torch.randn(6 * 128, 1, generator=g))  # fmt: skip
     loader = torch.utils.data.DataLoader(data, batch_size=128)
-    strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
-    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=WORLD, strategy=strategy,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    parallel = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=WORLD,
+                         strategy=parallel if shard else "ddp", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks)  # fmt: skip
     trainer.fit(module, loader)
     return module
@@ -164,12 +126,12 @@ def _sharded(pl: Any) -> dict[str, Any]:
     from autoremat.integrations.lightning_callback import AutoRematLightning
 
     x = torch.randn(128, 128)  # (one rank's batch)
-    plan = autoremat.plan(_sharded_class(pl)(), (x,), budget="80%", objective="flops")
-    plain = _run_sharded(pl, None, [])
+    plan = autoremat.plan(_module_class(pl)(), (x,), budget="80%", objective="flops")
+    plain = _run(pl, [], shard=True)
     with RecomputeCounter() as seen:
-        planned = _run_sharded(pl, plan, [])
+        planned = _run(pl, [], plan, shard=True)
     try:
-        _run_sharded(pl, None, [AutoRematLightning(budget="50%")])
+        _run(pl, [AutoRematLightning(budget="50%")], shard=True)
         refused = ""
     except RuntimeError as exc:
         refused = str(exc)
@@ -235,29 +197,15 @@ def _free_port() -> int:
 
 
 def _launch(mode: str, out: Path) -> list[dict[str, Any]]:
-    """Run ``mode``'s worker (``lightning`` or ``huggingface``) on :data:`WORLD` processes."""
+    """Run ``mode``'s worker (``lightning`` or ``huggingface``) on :data:`WORLD` processes,
+    with the environment a launcher such as ``torchrun`` gives."""
     port = str(_free_port())
-    procs, logs = [], []
-    for r in range(WORLD):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "WORLD_SIZE": str(WORLD), "RANK": str(r),
-               "LOCAL_RANK": str(r), "NODE_RANK": "0"}  # fmt: skip
-        logs.append(open(out / f"log{r}.txt", "w"))  # noqa: SIM115
-        procs.append(subprocess.Popen([sys.executable, __file__, mode, str(r), str(out)],
-                                      env=env, stdout=logs[-1], stderr=logs[-1]))  # fmt: skip
-    deadline = time.monotonic() + TIMEOUT
-    for p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    for log in logs:
-        log.close()
-    if any(p.returncode != 0 for p in procs):
-        text = "\n".join((out / f"log{r}.txt").read_text()[-3000:] for r in range(WORLD))
-        pytest.fail(f"a rank failed or hung\n{text}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+    def env(r: int) -> dict[str, str]:
+        return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(WORLD),
+                "RANK": str(r), "LOCAL_RANK": str(r), "NODE_RANK": "0"}  # fmt: skip
+
+    return run_ranks(__file__, WORLD, out, lambda r: [mode, str(r), str(out)], env, TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -319,3 +267,6 @@ if __name__ == "__main__":
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (no interpreter teardown: a trainer's or gloo's threads may abort it)

@@ -45,10 +45,10 @@ from autoremat.training.prober import (
     Candidate,
     Inputs,
     Prober,
-    meta_shadow,
     step_seconds,
 )
 from autoremat.training.rank_prober import RankProber
+from autoremat.training.shadow import meta_shadow
 from autoremat.training.sharding import Sharding, sharding_of
 from autoremat.wrap.wrapping import remove
 

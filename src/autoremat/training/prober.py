@@ -4,7 +4,6 @@ and the :class:`Candidate` each gives (:class:`Prober`; per rank, its subclass
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from autoremat.training.device_model import DeviceModel
 from autoremat.training.optimizer_memory import OptimizerMemory
 from autoremat.training.plan_for_device import plan_fitting
 from autoremat.training.scaled_profile import NotScalable, ScaledProfiles
+from autoremat.training.shadow import meta_shadow
 from autoremat.training.step_memory import (
     StepMemory,
     buffer_copies,
@@ -34,7 +34,7 @@ from autoremat.training.step_memory import (
     step_memory,
 )
 
-__all__ = ["Candidate", "Inputs", "Probe", "Prober", "meta_shadow", "on_meta", "step_seconds"]
+__all__ = ["Candidate", "Inputs", "Probe", "Prober", "on_meta", "step_seconds"]
 
 logger = logging.getLogger(__name__)
 Inputs = Callable[[int], tuple[Any, dict[str, Any]]]
@@ -56,19 +56,6 @@ class Candidate:
     @property
     def samples_per_second(self) -> float:
         return self.batch / self.seconds if self.seconds > 0 else math.inf
-
-def meta_shadow(model: nn.Module, shared: tuple[object, ...] = ()) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are on ``meta``: the same structure
-    and attributes, no memory, no copy of the values; the objects of ``shared`` (a trainer a
-    module refers to) are referred to, not copied."""
-    memo: dict[int, Any] = {id(obj): obj for obj in shared}
-    for t in [*model.parameters(), *model.buffers()]:
-        shadow = torch.empty_like(t, device="meta")
-        if isinstance(t, nn.Parameter):
-            shadow = nn.Parameter(shadow, requires_grad=t.requires_grad)
-        memo[id(t)] = shadow
-    return copy.deepcopy(model, memo)
-
 
 def step_seconds(prof: Profile, plan: Plan | None) -> float:
     """A training step's seconds as ``prof`` prices it: the forward's ops (timed, or on
@@ -108,14 +95,18 @@ class Prober:
         self.buffers = any(True for _ in model.buffers())
         self.progress = Progress("fitting", 40, "batch sizes profiled on meta")
         self.scaled: ScaledProfiles | None = None
-        self.noton_meta = ""  # why the step cannot run on meta, once it could not
+        self.not_on_meta = ""  # why the step cannot run on meta, once it could not
         self.by_allocator = False  # real steps on the CPU, by its allocator (on_the_device)
+
+    def meta_inputs(self, batch: int) -> tuple[Any, Any]:
+        """``make_inputs(batch)`` made under ``torch.device("meta")``, every tensor on it."""
+        with torch.device("meta"):
+            args, kwargs = self.make_inputs(batch)
+        return tree_map(on_meta, (args, kwargs))
 
     def probe(self, batch: int) -> Probe:
         if batch not in self.seen:
-            with torch.device("meta"):
-                args, kwargs = self.make_inputs(batch)
-            args, kwargs = tree_map(on_meta, (args, kwargs))
+            args, kwargs = self.meta_inputs(batch)
             prof = self.profile(batch, args, kwargs)
             low = profile_lowest(prof, selective=self.selective)
             plan = None  # (the RNG states and buffer copies its checkpoints keep count)
@@ -141,19 +132,19 @@ class Prober:
                 if model_device(self.model).type == "meta":
                     raise
                 first = self.real(batch)  # (its own error, when the real step fails too)
-                self.noton_meta = str(exc).splitlines()[0][:200]
+                self.not_on_meta = str(exc).splitlines()[0][:200]
                 self.scaled = ScaledProfiles(self.real, batch, first)
                 logger.warning(
                     "fit: %s cannot be sized on meta (%s): sizing it from real steps on %s "
                     "at batches %d, %d and %d, scaled", type(self.model).__name__,
-                    self.noton_meta, model_device(self.model), 2 * batch, 4 * batch, 6 * batch,
+                    self.not_on_meta, model_device(self.model), 2 * batch, 4 * batch, 6 * batch,
                 )  # fmt: skip
         try:
             return self.scaled.at(batch)
         except NotScalable as exc:
             raise NotScalable(
                 f"fit cannot size {type(self.model).__name__}: its step cannot run on meta "
-                f"({self.noton_meta}), and scaling real steps fails: {exc}. Plan a fixed "
+                f"({self.not_on_meta}), and scaling real steps fails: {exc}. Plan a fixed "
                 f"batch instead (autoremat.plan_for_device(model, args, kwargs, "
                 f"device_memory=...))"
             ) from None

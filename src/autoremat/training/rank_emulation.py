@@ -26,7 +26,6 @@ group): size before ``init_process_group``, which gives every rank the same answ
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import sys
 import warnings
@@ -45,6 +44,7 @@ from autoremat.core.nested import tensor_bytes
 from autoremat.planning.plans import Plan
 from autoremat.record.memory import LiveMemory
 from autoremat.record.step import Autocast, LossFn, train_step
+from autoremat.training.shadow import meta_shadow
 from autoremat.training.sharding import Sharding
 
 __all__ = ["EmulatedRank", "ResizeCountingMemory", "emulate_fsdp2", "fake_shadow", "fake_world"]
@@ -120,13 +120,7 @@ def fake_world(world_size: int) -> Iterator[Any]:
 def fake_shadow(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake CPU tensors of the same
     shapes and dtypes (call inside the ``FakeTensorMode``): no memory, no values copied."""
-    memo: dict[int, Any] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        shadow = torch.empty_like(t, device="cpu")
-        if isinstance(t, nn.Parameter):
-            shadow = nn.Parameter(shadow, requires_grad=t.requires_grad)
-        memo[id(t)] = shadow
-    return copy.deepcopy(model, memo)
+    return meta_shadow(model, device="cpu")
 
 
 def emulate_fsdp2(

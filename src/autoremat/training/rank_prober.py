@@ -12,13 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch.utils._pytree import tree_map
-
 from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
 from autoremat.training.per_rank import RankStep, plan_for_rank, rank_step_memory
-from autoremat.training.prober import Candidate, Inputs, Probe, Prober, on_meta, step_seconds
+from autoremat.training.prober import Candidate, Inputs, Probe, Prober, step_seconds
 from autoremat.training.sharding import Sharding
 from autoremat.training.step_memory import StepMemory
 
@@ -43,9 +40,7 @@ class RankProber(Prober):
 
     def probe(self, batch: int) -> Probe:
         if batch not in self.seen:
-            with torch.device("meta"):
-                args, kwargs = self.make_inputs(batch)
-            args, kwargs = tree_map(on_meta, (args, kwargs))
+            args, kwargs = self.meta_inputs(batch)
             prof = self.profile(batch, args, kwargs)
             low = profile_lowest(prof, selective=self.selective)
             plan = plan_from_profile(self.model, prof, low, selective=self.selective)
