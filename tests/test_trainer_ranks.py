@@ -89,8 +89,9 @@ def _module_class(pl: Any) -> Any:
     return Net
 
 
-def _run(pl: Any, callbacks: list[Any], plan: Any = None, shard: bool = False) -> Any:
-    """3 steps on both ranks: under ``strategy="ddp"``, or with ``shard`` under
+def _run(pl: Any, callbacks: list[Any], plan: Any = None, shard: bool = False,
+         strategy: Any = "ddp") -> Any:  # fmt: skip
+    """3 steps on both ranks: under ``strategy`` (``"ddp"``), or with ``shard`` under
     ``ModelParallelStrategy`` (FSDP2 over both ranks); the module, as trained."""
     from pytorch_lightning.strategies import ModelParallelStrategy
 
@@ -102,7 +103,7 @@ def _run(pl: Any, callbacks: list[Any], plan: Any = None, shard: bool = False) -
     loader = torch.utils.data.DataLoader(data, batch_size=128)
     parallel = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
     trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=WORLD,
-                         strategy=parallel if shard else "ddp", logger=False,
+                         strategy=parallel if shard else strategy, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks)  # fmt: skip
     trainer.fit(module, loader)
@@ -130,11 +131,12 @@ def _sharded(pl: Any) -> dict[str, Any]:
     plain = _run(pl, [], shard=True)
     with RecomputeCounter() as seen:
         planned = _run(pl, [], plan, shard=True)
+    refused = []
     try:
         _run(pl, [AutoRematLightning(budget="50%")], shard=True)
-        refused = ""
+        refused.append("")
     except RuntimeError as exc:
-        refused = str(exc)
+        refused.append(str(exc))
     return {"sharded_plan": list(plan.modules), "sharded_same": _same(plain, planned),
             "sharded_missing": seen.missing(plan.modules), "refused": refused}  # fmt: skip
 
@@ -251,11 +253,15 @@ def test_under_model_parallel_a_plan_applied_before_fully_shard_trains_exactly(r
     """Lightning's ``ModelParallelStrategy`` (FSDP2 over both ranks): a plan made before
     sharding and applied in ``configure_model`` before ``fully_shard`` trains bitwise as
     without it (losses, full gradients at every step); the callback on the model the
-    strategy already sharded is refused on every rank, naming the recipe."""
+    strategy already sharded is refused on every rank, naming the recipe. (Lightning's
+    ``FSDPStrategy`` and FSDP1 itself need a GPU on torch 2.13: not tested here.)"""
     for r in ranks:
         assert r["sharded_plan"] and r["sharded_same"] == [True, True, True]
         assert r["sharded_missing"] == []  # every entry ran ops in a recompute
-        assert "already sharded by FSDP" in r["refused"] and "configure_model" in r["refused"]
+        assert r["refused"] and all(
+            "already sharded by FSDP" in refused and "configure_model" in refused
+            for refused in r["refused"]
+        )
 
 
 if __name__ == "__main__":

@@ -140,10 +140,12 @@ def _redirected(model: nn.Module) -> bool:
 
 def _refuse_sharded(model: nn.Module) -> None:
     """Raise when ``model`` was already sharded by FSDP (Lightning's ``FSDPStrategy`` and
-    ``ModelParallelStrategy`` shard it before the first batch): a sharded module cannot be
+    ``ModelParallelStrategy`` shard it before the first batch): ``fully_shard`` units inside
+    it, or modules FSDP manages (FSDP1 wrapping it from outside). A sharded module cannot be
     profiled on ``meta``, and a real profile would issue collectives on its own."""
-    fsdp = fsdp_classes()
-    sharded = [path or "(root)" for path, m in model.named_modules() if isinstance(m, fsdp)]
+    fsdp = fsdp_classes()  # (FSDP1 marks the modules it manages, a wrapper outside included)
+    sharded = [path or "(root)" for path, m in model.named_modules()
+               if isinstance(m, fsdp) or getattr(m, "_is_fsdp_managed_module", False)]  # fmt: skip
     if sharded:
         raise RuntimeError(
             f"autoremat cannot plan {type(model).__name__} on its first batch: it is already "
