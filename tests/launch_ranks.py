@@ -13,9 +13,10 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -44,3 +45,19 @@ def run_ranks(script: str, world: int, out: Path, argv: Callable[[int], list[str
         text = "\n".join((out / f"log{r}.txt").read_text()[-3000:] for r in range(world))
         pytest.fail(f"a rank failed or hung\n{text}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def worker_main(run: Callable[[], None]) -> NoReturn:
+    """Run one rank's work in a process :func:`run_ranks` started, then exit at once: 1 with
+    the traceback printed on an error (the other ranks' collectives then fail instead of
+    waiting), 0 after it, without interpreter teardown (a trainer's or gloo's threads may
+    abort it)."""
+    code = 0
+    try:
+        run()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

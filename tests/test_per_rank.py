@@ -16,9 +16,7 @@ where the profiler does not follow, so its per-rank totals drift by megabytes.)
 from __future__ import annotations
 
 import json
-import os
 import sys
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,7 @@ from autoremat.training.device_model import CPU_RNG_STATE
 from autoremat.training.rank_emulation import ResizeCountingMemory
 from autoremat.training.sharding import Sharding, default_units, sharding_of
 from autoremat.training.step_memory import checkpointed_calls
-from launch_ranks import run_ranks
+from launch_ranks import run_ranks, worker_main
 
 TOKENS = 32
 TIMEOUT = 600
@@ -367,13 +365,4 @@ def test_the_fit_command_sizes_one_rank(capsys):
 
 if __name__ == "__main__":
     _rank, _world, _out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    try:
-        _worker(_rank, _world, _out)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # (no interpreter teardown: a trainer's or gloo's threads may abort it)
+    worker_main(lambda: _worker(_rank, _world, _out))

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import socket
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from autoremat.comparison.recomputed import RecomputeCounter
-from launch_ranks import run_ranks
+from launch_ranks import run_ranks, worker_main
 
 WORLD = 2
 TIMEOUT = 600
@@ -266,13 +264,4 @@ def test_under_model_parallel_a_plan_applied_before_fully_shard_trains_exactly(r
 
 if __name__ == "__main__":
     _mode, _rank, _out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-    try:
-        (_worker if _mode == "lightning" else _hf_worker)(_rank, _out)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # (no interpreter teardown: a trainer's or gloo's threads may abort it)
+    worker_main(lambda: (_worker if _mode == "lightning" else _hf_worker)(_rank, _out))
