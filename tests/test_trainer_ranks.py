@@ -118,10 +118,12 @@ def _same(plain: Any, planned: Any) -> list[bool]:
     ]
 
 
-def _sharded(pl: Any) -> dict[str, Any]:
-    """The FSDP2 recipe (a plan made before sharding, applied in ``configure_model``) against
-    no plan; and the callback on a model already sharded, refused on every rank."""
+def _sharded(pl: Any, rank: int) -> dict[str, Any]:
+    """Under ``ModelParallelStrategy``: the FSDP2 recipe (a plan made before sharding, applied
+    in ``configure_model``) against no plan; the callback (planning on the shadow it keeps
+    before sharding) against no plan; and the planner on a module already sharded, refused."""
     import autoremat
+    from autoremat.integrations.first_batch import FirstBatchPlanner
     from autoremat.integrations.lightning_callback import AutoRematLightning
 
     x = torch.randn(128, 128)  # (one rank's batch)
@@ -129,14 +131,21 @@ def _sharded(pl: Any) -> dict[str, Any]:
     plain = _run(pl, [], shard=True)
     with RecomputeCounter() as seen:
         planned = _run(pl, [], plan, shard=True)
-    refused = []
+    callback = AutoRematLightning(budget="50%" if rank == 0 else "95%", objective="flops")
+    with RecomputeCounter() as seen_callback:
+        called = _run(pl, [callback], shard=True)
+    assert callback.plan is not None
+    already = _run(pl, [], shard=True)  # (sharded, its forward hooked by the planner alone)
+    FirstBatchPlanner(budget="50%").attach(already)
     try:
-        _run(pl, [AutoRematLightning(budget="50%")], shard=True)
-        refused.append("")
+        already(torch.randn(128, 128))
+        refused = ""
     except RuntimeError as exc:
-        refused.append(str(exc))
+        refused = str(exc)
     return {"sharded_plan": list(plan.modules), "sharded_same": _same(plain, planned),
-            "sharded_missing": seen.missing(plan.modules), "refused": refused}  # fmt: skip
+            "sharded_missing": seen.missing(plan.modules), "refused": refused,
+            "callback_plan": list(callback.plan.modules), "callback_same": _same(plain, called),
+            "callback_missing": seen_callback.missing(callback.plan.modules)}  # fmt: skip
 
 
 def _hf_worker(rank: int, out: Path) -> None:
@@ -186,7 +195,7 @@ def _worker(rank: int, out: Path) -> None:
     same = _same(plain, planned)
     found = {"plan": list(callback.plan.modules), "same": same,
              "missing": seen.missing(callback.plan.modules),
-             "grads": [g.sum().item() for g in planned.grads[0]], **_sharded(pl)}  # fmt: skip
+             "grads": [g.sum().item() for g in planned.grads[0]], **_sharded(pl, rank)}  # fmt: skip
     (out / f"rank{rank}.json").write_text(json.dumps(found))
 
 
@@ -250,16 +259,17 @@ def test_the_lightning_callback_under_ddp_plans_once_and_trains_exactly(ranks):
 def test_under_model_parallel_a_plan_applied_before_fully_shard_trains_exactly(ranks):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 over both ranks): a plan made before
     sharding and applied in ``configure_model`` before ``fully_shard`` trains bitwise as
-    without it (losses, full gradients at every step); the callback on the model the
-    strategy already sharded is refused on every rank, naming the recipe. (Lightning's
-    ``FSDPStrategy`` and FSDP1 itself need a GPU on torch 2.13: not tested here.)"""
+    without it (losses, full gradients at every step); so does the callback, which plans on
+    the shadow it kept before sharding, rank 0's plan on both ranks (rank 1 was given another
+    budget), every entry recomputed; the first-batch planner alone on a module already
+    sharded is refused, naming the recipe. (Lightning's ``FSDPStrategy`` and FSDP1 itself
+    need a GPU on torch 2.13: not tested here.)"""
+    assert ranks[0]["callback_plan"] and ranks[0]["callback_plan"] == ranks[1]["callback_plan"]
     for r in ranks:
         assert r["sharded_plan"] and r["sharded_same"] == [True, True, True]
         assert r["sharded_missing"] == []  # every entry ran ops in a recompute
-        assert r["refused"] and all(
-            "already sharded by FSDP" in refused and "configure_model" in refused
-            for refused in r["refused"]
-        )
+        assert r["callback_same"] == [True, True, True] and r["callback_missing"] == []
+        assert "already sharded by FSDP" in r["refused"] and "configure_model" in r["refused"]
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from autoremat.training.fit import meta_shadow
 from autoremat.training.optimizer_memory import OptimizerLike
 from autoremat.training.plan_for_device import plan_for_device
 
-__all__ = ["FirstBatchPlanner"]
+__all__ = ["FirstBatchPlanner", "sharded_paths"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +83,13 @@ class FirstBatchPlanner:
             return
         self.detach()
         _refuse_sharded(model)
-        self.plan = self._agreed(model, args, kwargs)
+        self.plan = self.agreed(model, args, kwargs)
         self.plan.apply(model)
         logger.info("autoremat: %s", self.plan.summary())
         if self.on_plan is not None:
             self.on_plan(self.plan)
 
-    def _agreed(self, model: nn.Module, args: Any, kwargs: Any) -> Plan:
+    def agreed(self, model: nn.Module, args: Any, kwargs: Any) -> Plan:
         """The plan made here, or with many ranks made on rank 0 and sent to every rank."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return self.make(model, args, kwargs)
@@ -138,14 +138,20 @@ def _redirected(model: nn.Module) -> bool:
     return own is not None and getattr(own, "__func__", None) is not type(model).forward
 
 
+def sharded_paths(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s modules FSDP shards or manages (``fully_shard`` units; FSDP1
+    marks every module it manages, a wrapper outside included)."""
+    fsdp = fsdp_classes()
+    return [path or "(root)" for path, m in model.named_modules()
+            if isinstance(m, fsdp) or getattr(m, "_is_fsdp_managed_module", False)]  # fmt: skip
+
+
 def _refuse_sharded(model: nn.Module) -> None:
     """Raise when ``model`` was already sharded by FSDP (Lightning's ``FSDPStrategy`` and
     ``ModelParallelStrategy`` shard it before the first batch): ``fully_shard`` units inside
     it, or modules FSDP manages (FSDP1 wrapping it from outside). A sharded module cannot be
     profiled on ``meta``, and a real profile would issue collectives on its own."""
-    fsdp = fsdp_classes()  # (FSDP1 marks the modules it manages, a wrapper outside included)
-    sharded = [path or "(root)" for path, m in model.named_modules()
-               if isinstance(m, fsdp) or getattr(m, "_is_fsdp_managed_module", False)]  # fmt: skip
+    sharded = sharded_paths(model)
     if sharded:
         raise RuntimeError(
             f"autoremat cannot plan {type(model).__name__} on its first batch: it is already "

@@ -11,10 +11,13 @@ call's). When the hooked module's forward did not run in the first ``training_st
 callback says which ``module=`` to name. At ``on_train_end`` the plan is taken off (``remove``).
 
 Under ``strategy="ddp"`` the plan is made on rank 0 and sent to every rank. Under
-``FSDPStrategy`` and ``ModelParallelStrategy`` the module is sharded before the first batch:
-refused on every rank (a ``RuntimeError`` naming the recipe: plan before sharding, apply in
-``configure_model`` before ``fully_shard``; ``docs/scale.md``). Needs ``pytorch-lightning``:
-the ``lightning`` extra.
+``ModelParallelStrategy`` and ``FSDPStrategy`` the module is sharded in ``configure_model``,
+before the first batch: in ``setup`` (before it) the callback keeps a ``meta`` shadow of the
+module unsharded; at the first batch it runs that shadow's ``training_step`` on the batch (on
+``meta``) up to the hooked module's forward, plans there (rank 0, sent to every rank) and
+applies the plan to the sharded module. If a wrapped module is itself a ``fully_shard``
+unit, the plan stays applied after training (a warning). Needs ``pytorch-lightning``: the
+``lightning`` extra.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ import logging
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
+from torch.utils._pytree import tree_map
 
-from autoremat.integrations.first_batch import FirstBatchPlanner
+from autoremat.integrations.first_batch import FirstBatchPlanner, sharded_paths
 from autoremat.planning.plans import Plan
+from autoremat.training.shadow import meta_shadow
 from autoremat.wrap.wrapping import remove
 
 __all__ = ["AutoRematLightning"]
@@ -60,6 +66,14 @@ class AutoRematLightning(pl.Callback):
         self.module, self.remove = module, remove
         self._first = True  # the first training batch is yet to end
         self._target: Any = None  # the module planned
+        self._unsharded: Any = None  # a meta shadow taken before the strategy shards
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Before ``configure_model``: under a strategy that shards the module there
+        (``ModelParallelStrategy``, ``FSDPStrategy``), keep a ``meta`` shadow of it unsharded,
+        to plan on at the first batch."""
+        if stage == "fit" and type(trainer.strategy).__name__ in _SHARDING_STRATEGIES:
+            self._unsharded = meta_shadow(pl_module, shared=(trainer,))
 
     @property
     def plan(self) -> Plan | None:
@@ -84,7 +98,22 @@ class AutoRematLightning(pl.Callback):
         if optimizers:
             self.planner.optimizer = optimizers[0]
         self._target = target
+        if self._unsharded is not None and sharded_paths(target):
+            self._plan_unsharded(target, batch, batch_idx)
+            return
         self.planner.attach(target)
+
+    def _plan_unsharded(self, target: Any, batch: Any, batch_idx: int) -> None:
+        """Plan on the shadow kept before sharding, at the inputs its ``training_step`` gives
+        the hooked module for this batch (on ``meta``), and apply to the sharded module (the
+        structure check looks through FSDP's classes)."""
+        shadow = self._unsharded.get_submodule(self.module) if self.module else self._unsharded
+        inputs = _forward_inputs(self._unsharded, shadow, batch, batch_idx)
+        if inputs is None:
+            return  # (on_train_batch_end says which module= to name)
+        plan = self.planner.agreed(shadow, *inputs)
+        plan.apply(target)
+        self.planner.plan = plan
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.planner.plan is not None and self._target is not None:  # a later fit()
@@ -109,4 +138,36 @@ class AutoRematLightning(pl.Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.planner.detach()
         if self.remove and self.planner.plan is not None:
-            remove(pl_module)
+            try:
+                remove(pl_module)
+            except ValueError as exc:  # (a wrapped module is a fully_shard unit: kept)
+                logger.warning("AutoRematLightning: the plan stays applied: %s", exc)
+
+
+_SHARDING_STRATEGIES = ("ModelParallelStrategy", "FSDPStrategy")
+
+
+class _Captured(Exception):
+    """Raised by the pre-hook that captured the inputs, to stop the shadow's step there."""
+
+
+def _forward_inputs(shadow: Any, target: Any, batch: Any, batch_idx: int) -> Any:
+    """``(args, kwargs)`` of ``target``'s first call when ``shadow.training_step`` runs on
+    ``batch`` moved to ``meta``, stopped there; ``None`` when it is not called."""
+    seen: list[Any] = []
+
+    def hook(module: Any, args: Any, kwargs: Any) -> None:
+        seen.append((args, kwargs))
+        raise _Captured
+
+    on_meta = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, batch)
+    handle = target.register_forward_pre_hook(hook, with_kwargs=True)
+    shadow.train()
+    try:
+        with torch.enable_grad():
+            shadow.training_step(on_meta, batch_idx)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    return seen[0] if seen else None
