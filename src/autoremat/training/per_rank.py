@@ -80,22 +80,31 @@ def rank_step_memory(
 
 
 def plan_for_rank(
-    step: RankStep, dm: DeviceModel, selective: bool = True, objective: str = "time"
+    step: RankStep,
+    dm: DeviceModel,
+    selective: bool = True,
+    objective: str = "time",
+    known: tuple[StepMemory, Plan, StepMemory] | None = None,
 ) -> tuple[Plan, StepMemory]:
     """The cheapest plan whose rank step (:func:`rank_step_memory`) fits ``dm``, and that
-    step's memory; an empty plan when none is needed (module docstring).
+    step's memory; an empty plan when none is needed (module docstring). ``known``: the rank
+    step without a plan, the plan at the lowest budget and its rank step, when already
+    priced (on ``dm``, with this ``objective``), not emulated again.
 
     Raises:
         BudgetTooLow: even the lowest plan's rank step does not fit (the message gives what
             it needs).
     """
     model, prof = step.model, step.prof
-    plain = rank_step_memory(step, None, dm)
+    plain = rank_step_memory(step, None, dm) if known is None else known[0]
     if plain.device <= dm.limit:
         return plan_from_profile(model, prof, 1.0, selective=selective, objective=objective), plain
     lowest = profile_lowest(prof, selective=selective, objective=objective)
-    least = plan_from_profile(model, prof, lowest, selective=selective, objective=objective)
-    floor = rank_step_memory(step, least, dm)
+    if known is None:
+        least = plan_from_profile(model, prof, lowest, selective=selective, objective=objective)
+        floor = rank_step_memory(step, least, dm)
+    else:
+        least, floor = known[1], known[2]
     if floor.device > dm.limit:
         raise BudgetTooLow(
             f"{type(model).__name__}'s training step does not fit {dm} per rank "

@@ -57,8 +57,10 @@ class RankProber(Prober):
         return self.plain[batch]
 
     def candidate(self, batch: int) -> Candidate:
-        step = self.step(batch)
-        plan, memory = plan_for_rank(step, self.dm, self.selective)
+        step, probe = self.step(batch), self.probe(batch)
+        assert probe.lowest_plan is not None  # (a rank's probe always plans its lowest)
+        known = (self.without(batch), probe.lowest_plan, probe.lowest)  # (emulated once each)
+        plan, memory = plan_for_rank(step, self.dm, self.selective, known=known)
         chosen = plan if plan.modules else None
         out = step.prof[step.prof.tree.path].output_bytes
         return Candidate(batch, memory, self.without(batch), chosen,
