@@ -167,6 +167,19 @@ def shared_st(start: int) -> st.SearchStrategy[tuple[tuple[int, tuple[int, ...]]
     ).map(tuple)
 
 
+def shared_inputs_st(
+    before: list[tuple[int, int]],
+) -> st.SearchStrategy[tuple[tuple[int, tuple[tuple[int, int], ...]], ...]]:
+    """Inputs an item holds that nodes ended before it began (``before``, their spans) took
+    too: freed back when one of them is chosen (:attr:`Item.shared_inputs`)."""
+    if not before:
+        return st.just(())
+    spans = st.lists(st.sampled_from(before), min_size=1, max_size=2)
+    return st.lists(
+        st.tuples(st.integers(1, 20), spans.map(lambda h: tuple(sorted(set(h))))), max_size=2
+    ).map(tuple)
+
+
 @st.composite
 def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False, shared: bool = False) -> Case:
     """A random tree numbered in execution order: ends in post-order (children before their
@@ -186,6 +199,7 @@ def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False, shared: boo
         return draw(st.integers(0, 60)) / FLOPS_PER_SECOND if timed else None
 
     parents = [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    built: list[tuple[int, int]] = []  # the spans of the nodes built so far
     kids: dict[int, list[int]] = {i: [] for i in range(n)}
     for child, parent in enumerate(parents, start=1):
         kids[parent].append(child)
@@ -216,6 +230,8 @@ def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False, shared: boo
             )
         groups, moments = draw(recasts_st(start, end)) if recast else ((), ())
         casts = draw(shared_st(start)) if shared else ()
+        inputs = draw(shared_inputs_st([h for h in built if h[1] < start])) if shared else ()
+        built.append((start, end))
         options = tuple(
             Item(
                 path=f"n{i}",
@@ -233,6 +249,7 @@ def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False, shared: boo
                 recasts=groups,
                 recast_moments=moments,
                 shared_casts=casts,
+                shared_inputs=inputs,
             )
             for mode in draw(st.sampled_from([(), ("selective",), ("selective", "selective-bmm")]))
         )
@@ -255,6 +272,7 @@ def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False, shared: boo
             recasts=groups,
             recast_moments=moments,
             shared_casts=casts,
+            shared_inputs=inputs,
         )
 
     root = build(0)
@@ -429,6 +447,7 @@ def _every_recast_table(
             item,
             recasts=tuple((b, ()) for b, _ in item.recasts),
             shared_casts=item.shared_casts if shared else (),
+            shared_inputs=item.shared_inputs if shared else (),
         )
 
     return [

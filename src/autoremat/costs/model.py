@@ -9,7 +9,9 @@ the reasoning and the measured error; in short, for a node checkpointed:
   backward, longer than they would otherwise live): :func:`freed_bytes`; of those, under
   autocast, the weight casts autocast's cast cache keeps until the forward ends, freed only
   after it: :func:`cached_bytes`; and those several nodes saved (a shared module's calls),
-  freed after the forward once all of them are recomputed: :func:`shared_casts`;
+  freed after the forward once all of them are recomputed: :func:`shared_casts`; inputs
+  alive until its backward anyway are not charged, and one an earlier checkpoint keeps
+  is charged once: :func:`charged_inputs`, :func:`shared_inputs`;
 * **held during its forward**: those charged inputs from its start, less what its finished
   parts saved (a checkpointed forward drops it, :func:`released`), more, for a selective
   recompute, each kept output nothing else saves, from when it was made: :func:`held_from`;
@@ -28,7 +30,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -42,8 +44,10 @@ __all__ = [
     "Recast",
     "Run",
     "Storages",
+    "alive_until_after",
     "cached_bytes",
     "cast_reads_within",
+    "charged_inputs",
     "freed_bytes",
     "held_from",
     "kept_cached",
@@ -54,7 +58,9 @@ __all__ = [
     "released",
     "run_recast",
     "runs",
+    "same_storage",
     "shared_casts",
+    "shared_inputs",
 ]
 
 MAX_RUN = 64  # longest run of Sequential children considered as one recompute
@@ -65,6 +71,7 @@ Reads = dict[int, tuple[int, Node]]  # cast storage key -> (bytes, the node that
 
 
 Groups = tuple[tuple[int, tuple[int, ...]], ...]
+Spans = tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # (bytes, (start, end) of nodes)
 Moments = tuple[tuple[int, int, tuple[int, ...]], ...]
 
 
@@ -115,25 +122,112 @@ def lowest_common(
     return lca
 
 
-def freed_bytes(rec: Recording, line: Timeline) -> tuple[dict[Node, int], dict[Node, int]]:
+def freed_bytes(
+    rec: Recording, line: Timeline, charged: dict[Node, dict[int, int]] | None = None
+) -> tuple[dict[Node, int], dict[Node, int]]:
     """Bytes each node's recompute would free (negative: would cost), and the part of the
     cost that is its inputs (charged; held from its start).
 
     Freed: storages saved for backward only inside the node's subtree, other than its inputs.
-    Cost: its inputs that nothing inside the subtree saved. The checkpoint keeps every input
-    until the node's backward; such an input would otherwise have been freed sooner.
+    Cost: its inputs that nothing inside the subtree saved and that would not be alive until
+    its backward anyway (:func:`charged_inputs`). The checkpoint keeps every input until the
+    node's backward; such an input would otherwise have been freed sooner. ``charged``: those
+    inputs, when already found.
     """
     freed: dict[Node, int] = defaultdict(int)
-    charged: dict[Node, int] = defaultdict(int)
+    held: dict[Node, int] = defaultdict(int)
     for _, size, node in _frees(rec, line):
         freed[node] += size
+    for n, keys in (charged_inputs(rec, line) if charged is None else charged).items():
+        freed[n] -= sum(keys.values())
+        held[n] += sum(keys.values())
+    return freed, held
+
+
+def charged_inputs(rec: Recording, line: Timeline) -> dict[Node, dict[int, int]]:
+    """For each node, the inputs (storage -> bytes) its checkpoint keeps longer than they
+    would otherwise live: those nothing inside it saved, but those alive until after its
+    backward anyway (:func:`alive_until_after`)."""
+    freers = _freers(rec, line)
+    found: dict[Node, dict[int, int]] = defaultdict(dict)
     for n in rec.tree.walk():
         for key, size in rec.input_keys[n].items():
             saved_inside = key in rec.savers and any(rec.within(p, n) for p in rec.savers[key][1])
-            if not saved_inside:
-                freed[n] -= size
-                charged[n] += size
-    return freed, charged
+            if not saved_inside and not alive_until_after(rec, line, n, n, key, freers[key]):
+                found[n][key] = size
+    return found
+
+
+def shared_inputs(
+    rec: Recording, line: Timeline, charged: dict[Node, dict[int, int]]
+) -> dict[Node, Spans]:
+    """For each node, its ``charged`` inputs that nodes ended before it began took as inputs
+    too, grouped as ``(bytes, spans of those nodes)``: when one of them is recomputed, its
+    checkpoint keeps the input until its own backward, after this node's, so this node's
+    charge is not paid again (Falcon's attention and MLP both take one LayerNorm's output)."""
+    consumers = _consumers(rec)
+    found: dict[Node, Spans] = {}
+    for n, keys in charged.items():
+        if n not in line.spans:
+            continue
+        begin = line.spans[n][0]
+        groups: dict[tuple[tuple[int, int], ...], int] = defaultdict(int)
+        here = line.events[n][0]
+        for key, size in keys.items():
+            holders = tuple(
+                sorted(
+                    line.spans[c]
+                    for c in consumers[key]
+                    if c in line.spans
+                    and line.spans[c][1] < begin
+                    and same_storage(rec, key, line.events[c][0], here)
+                )
+            )
+            if holders:
+                groups[holders] += size
+        if groups:
+            found[n] = tuple((b, h) for h, b in groups.items())
+    return found
+
+
+def alive_until_after(
+    rec: Recording, line: Timeline, first: Node, holder: Node, key: int, freers: list[Node]
+) -> bool:
+    """Whether storage ``key``, an input of ``first`` (a node, or a run's first child, the
+    run inside ``holder``), stays alive until after the checkpoint's backward whatever else
+    is recomputed, so a checkpoint keeping it costs nothing: the model returns it (T5's
+    decoder takes the encoder's output, which the model returns too); or a node that ended
+    before ``first`` began saved it (its backward runs later), and every node whose
+    recompute would free it (``freers``, :func:`_freers`) holds ``holder`` (it cannot be
+    chosen with the checkpoint): a BERT layer's output block takes the attention's output,
+    which the intermediate block's Linear saved."""
+    if first not in line.spans:
+        return False
+    if key in rec.output_keys[rec.tree] and same_storage(rec, key, -1, line.events[first][0]):
+        return True  # the model returns it (made before: the same storage) and holds it
+    if key not in rec.savers:
+        return False
+    begin = line.spans[first][0]
+    earlier = any(s in line.spans and line.spans[s][1] < begin for s in rec.savers[key][1])
+    return earlier and all(rec.within(holder, f) for f in freers)
+
+
+def same_storage(rec: Recording, key: int, since: int, until: int) -> bool:
+    """Whether the storage with ``key`` at event ``until`` is the one made before event
+    ``since`` (``-1``: the first made), no storage with that key made in between (a freed
+    storage's key can be reused)."""
+    made = rec.made_at.get(key, [])
+    if since < 0:
+        return bool(made) and made[-1] <= until
+    return not any(since < c <= until for c in made)
+
+
+def _freers(rec: Recording, line: Timeline) -> dict[int, list[Node]]:
+    """For each storage saved for backward, the nodes whose recompute frees it (:func:`_frees`)."""
+    found: dict[int, list[Node]] = defaultdict(list)
+    for key, _, node in _frees(rec, line):
+        found[key].append(node)
+    return found
 
 
 def cached_bytes(rec: Recording, line: Timeline) -> dict[Node, int]:
@@ -215,7 +309,9 @@ def _passed_on(
     )
 
 
-def released(rec: Recording, ends: dict[Node, int]) -> dict[Node, list[tuple[int, int, int]]]:
+def released(
+    rec: Recording, ends: dict[Node, int], ended_before: Sequence[int] = ()
+) -> dict[Node, list[tuple[int, int, int]]]:
     """For each node, the storages saved for backward inside it that its forward no longer
     holds, part-way through, when the node is checkpointed: ``(point, storage, bytes)``.
 
@@ -223,6 +319,9 @@ def released(rec: Recording, ends: dict[Node, int]) -> dict[Node, list[tuple[int
     strictly below, created in ``r`` (not its input) and not part of its output, is held by
     nothing but autograd once ``r`` has ended: from point ``end[r] + 1`` on, a checkpointed
     ancestor's forward runs with those bytes gone (unless a selective recompute keeps them).
+    Sooner, and in ``r``'s own checkpointed forward too, when a forward that saved nothing
+    saw it die before ``r`` ended (:attr:`Recording.dies_at`; ``ended_before``: the
+    timeline's): from the point after the one in which it died.
     """
     parent, depth = rec.family
     found: dict[Node, list[tuple[int, int, int]]] = defaultdict(list)
@@ -235,6 +334,10 @@ def released(rec: Recording, ends: dict[Node, int]) -> dict[Node, list[tuple[int
         if r is None or r not in ends:
             continue
         point = ends[r] + 1
+        died = rec.dies_at.get(key)
+        if died is not None and died < len(ended_before) and ended_before[died] < ends[r]:
+            point = ended_before[died] + 1
+            found[r].append((point, key, size))
         above = parent[r]
         while above is not None and key not in rec.input_keys[above]:
             found[above].append((point, key, size))
@@ -421,11 +524,9 @@ def runs(
     backward first uses what any of its children saved, and ends at the last save of any.
     ``gone``: :func:`released`; a run drops, part-way, what its parent would drop inside the
     run's span."""
-    return {
-        node: tuple(_runs_of(rec, line, node, gone.get(node, [])))
-        for node in rec.tree.walk()
-        if _chained_children(node, line)
-    }
+    chained = [node for node in rec.tree.walk() if _chained_children(node, line)]
+    freers = _freers(rec, line) if chained else {}
+    return {node: tuple(_runs_of(rec, line, node, gone.get(node, []), freers)) for node in chained}
 
 
 def _run_held_from(
@@ -472,12 +573,17 @@ def _gains(rec: Recording, node: Node) -> tuple[list[list[int]], list[list[int]]
     return gain, cached
 
 
-def _charges(rec: Recording, node: Node, i: int) -> list[int]:
-    """``charges[j]``: inputs of child ``i`` that no child in ``[i:j)`` saves, for every j."""
+def _charges(
+    rec: Recording, line: Timeline, node: Node, i: int, freers: dict[int, list[Node]]
+) -> list[int]:
+    """``charges[j]``: inputs of child ``i`` that no child in ``[i:j)`` saves, for every j,
+    but those alive until after the run's backward anyway (:func:`alive_until_after`)."""
     kids, index = node.children, _child_index(node)
     n = len(kids)
     charges = [0] * (n + 1)
     for key, size in rec.input_keys[kids[i]].items():
+        if alive_until_after(rec, line, kids[i], node, key, freers.get(key, [])):
+            continue
         users = (
             [_child_of(rec, node, index, p) for p in rec.savers[key][1]]
             if key in rec.savers
@@ -490,13 +596,17 @@ def _charges(rec: Recording, node: Node, i: int) -> list[int]:
 
 
 def _runs_of(
-    rec: Recording, line: Timeline, node: Node, gone: list[tuple[int, int, int]]
+    rec: Recording,
+    line: Timeline,
+    node: Node,
+    gone: list[tuple[int, int, int]],
+    freers: dict[int, list[Node]],
 ) -> list[Run]:
     kids, events = node.children, rec.events
     gain, cached_gain = _gains(rec, node)
     found = []
     for i in range(len(kids)):
-        charges = _charges(rec, node, i)
+        charges = _charges(rec, line, node, i, freers)
         start_event = line.events[kids[i]][0]
         freed = cached = 0
         first: tuple[int, int] | None = None  # the first use of what the run saved

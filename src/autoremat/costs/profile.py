@@ -143,7 +143,10 @@ class NodeCost:
     forward. ``shared_casts``: such casts that nodes before it saved too (a shared module's
     weights), ``(bytes, ends of those nodes)``: freed after the forward, from its end, when
     those nodes are recomputed too (:func:`autoremat.costs.model.shared_casts`; the planner
-    works that out from the plan), in any way.
+    works that out from the plan), in any way. ``shared_inputs``: inputs in ``held`` that
+    nodes ended before it began took too, ``(bytes, (start, end) of those nodes)``: not held
+    again when one of them is recomputed, in any way, since its checkpoint keeps them longer
+    (:func:`autoremat.costs.model.shared_inputs`).
     """
 
     path: str
@@ -170,6 +173,7 @@ class NodeCost:
     recast: Recast = field(default_factory=Recast)
     cached: int = 0
     shared_casts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    shared_inputs: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
 
     def way(self, name: str) -> WayCost:
         """The selective way called ``name``; ``KeyError`` naming the ways if none."""
@@ -420,11 +424,13 @@ class _Assembly:
 
     def __init__(self, rec: Recording, line: Timeline, times: _Times) -> None:
         self.rec, self.line, self.times = rec, line, times
-        self.freed, self.charged = cost_model.freed_bytes(rec, line)
+        charged = cost_model.charged_inputs(rec, line)
+        self.freed, self.charged = cost_model.freed_bytes(rec, line, charged)
+        self.shared_inputs = cost_model.shared_inputs(rec, line, charged)
         self.cached = cost_model.cached_bytes(rec, line)
         self.shared = cost_model.shared_casts(rec, line)
         ends = {node: end for node, (_, end) in line.spans.items()}
-        self.released = cost_model.released(rec, ends)
+        self.released = cost_model.released(rec, ends, line.ended_before)
         self.reads = cost_model.cast_reads_within(rec)
         self.recasts = cost_model.recasts(rec, line, self.reads)
         self.runs = {
@@ -490,6 +496,7 @@ class _Assembly:
             recast=self.recasts.get(node, Recast()),
             cached=self.cached[node],
             shared_casts=self.shared.get(node, ()),
+            shared_inputs=self.shared_inputs.get(node, ()),
         )
         return kept
 

@@ -53,7 +53,8 @@ the walk takes an item that has some, it checks them in each state against that 
 choices (the holders ended before the item began, so they are decided); states are still
 merged by bytes freed and cost alone, so with recasts the answer fits but may not be the
 cheapest (a state merged away could have covered a later item's holders). The same holds for
-:attr:`Item.shared_casts`, added per state to what the item frees after the forward.
+:attr:`Item.shared_casts`, added per state to what the item frees after the forward, and
+:attr:`Item.shared_inputs`, added per state in both phases.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ class Item:
     # such casts that items before it saved too (a shared module's weights): (bytes, ends of
     # those nodes), freed after the forward, from its end, when every one of them is chosen
     shared_casts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # inputs it holds (in ``held``, so less in ``freed``) that nodes ended before it began
+    # took too: (bytes, (start, end) of those nodes); when one of them is chosen, its
+    # checkpoint keeps them until after this item's backward, so they are freed back, from
+    # its end, in both phases
+    shared_inputs: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
 
     @property
     def freed_in_forward(self) -> int:
@@ -177,6 +183,15 @@ class Item:
             return 0
         covered = _covering(chosen)
         return sum(b for b, ends in self.shared_casts if all(covered(e) for e in ends))
+
+    def input_credit(self, chosen: Sequence[Item]) -> int:
+        """The bytes of :attr:`shared_inputs` an earlier chosen item already holds, freed back
+        after this item's end when ``chosen`` are recomputed. (An item's span names its node:
+        a run's never equals a node's, as it begins with one child and ends with another.)"""
+        if not self.shared_inputs:
+            return 0
+        spans = {(c.start, c.end) for c in chosen}
+        return sum(b for b, holders in self.shared_inputs if any(h in spans for h in holders))
 
     def recast_peak(self, chosen: Sequence[Item]) -> int:
         """The most live bytes its recompute and backward reach with the recasts ``chosen``
@@ -283,11 +298,13 @@ def predict_peak(
     during = [
         (p, b + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)) for p, b in forward
     ]
-    freed = {id(s): s.freed + s.shared_freed(chosen) for s in chosen}
+    credit = {id(s): s.input_credit(chosen) for s in chosen}
+    freed = {id(s): s.freed + s.shared_freed(chosen) + credit[id(s)] for s in chosen}
+    in_forward = {id(s): s.freed_in_forward + credit[id(s)] for s in chosen}
     return max(
         [
             *(b - sum(freed[id(s)] for s in chosen if s.end < p) for p, b in after),
-            *(b - sum(s.freed_in_forward for s in chosen if s.end < p) for p, b in during),
+            *(b - sum(in_forward[id(s)] for s in chosen if s.end < p) for p, b in during),
         ],
         default=0,
     )
@@ -462,17 +479,27 @@ class _Solver:
             capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
             fits = fits[max(0, capped - 1) :]
         freed, forward, cost, link = item.freed, item.freed_in_forward, item.cost, item
-        shared = [item.shared_freed(_chosen(s)) if item.shared_casts else 0 for s in fits]
+        per_state = item.shared_casts or item.shared_inputs
+        extra = [self.credits(item, s) if per_state else (0, 0) for s in fits]
         return [
             (
                 -min(freed + more - s[0], cap),
                 s[1] + cost,
                 k,
                 (link, s[3]),
-                -min(forward - s[4], cap),
+                -min(forward + more_forward - s[4], cap),
             )
-            for s, more, k in zip(fits, shared, self.counter, strict=False)
+            for s, (more, more_forward), k in zip(fits, extra, self.counter, strict=False)
         ]
+
+    @staticmethod
+    def credits(item: Item, state: _State) -> tuple[int, int]:
+        """What ``item`` frees beyond its own figures given ``state``'s choices (decided: they
+        ended before it began), after the forward and in it: its shared casts and the inputs
+        an earlier chosen item holds (:meth:`Item.shared_freed`, :meth:`Item.input_credit`)."""
+        chosen = _chosen(state)
+        credit = item.input_credit(chosen)
+        return item.shared_freed(chosen) + credit, credit
 
     def recasts_fit(self, item: Item, state: _State) -> bool:
         """Whether ``item``'s recompute and backward fit with the recasts ``state``'s choices

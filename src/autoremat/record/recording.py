@@ -28,9 +28,10 @@ from autoremat.core.huggingface import cache_off_in_training, ordinary_positions
 from autoremat.core.nested import iter_tensors, storage_key
 from autoremat.core.progress import Progress
 from autoremat.core.selective import WAYS, keeps, resolve
+from autoremat.record.forward_liveness import deaths_by_key, forward_deaths
 from autoremat.record.memory import CpuAllocatorMemory, LiveMemory
 from autoremat.record.snapshot import preserved
-from autoremat.record.step import Autocast, LossFn, leaf_inputs, train_step
+from autoremat.record.step import Autocast, LossFn, autocast_for, leaf_inputs, train_step
 from autoremat.record.tree import Node, TensorInfo, tensor_infos
 
 __all__ = [
@@ -117,6 +118,13 @@ class Recording:
     # region ends (a weight's copy in the lower precision: a float32 leaf that requires grad),
     # whoever saved them: a checkpointed module does not free them during the forward
     cached_casts: set[int] = field(default_factory=set)
+    # storage key -> the events before it died in a forward that saved nothing (as a
+    # checkpointed forward), for those that died before the forward returned
+    # (:mod:`autoremat.record.forward_liveness`)
+    dies_at: dict[int, int] = field(default_factory=dict)
+    # storage key -> the event count each time a storage with that key was made (a freed
+    # storage's key can be reused)
+    made_at: dict[int, list[int]] = field(default_factory=dict)
 
     @functools.cached_property
     def family(self) -> tuple[dict[Node, Node | None], dict[Node, int]]:
@@ -163,6 +171,9 @@ class OpCosts(TorchDispatchMode):
         # storage is freed: ids tell the storages apart)
         self.current: dict[int, int] = {}
         self.ids = itertools.count()
+        self.order: list[tuple[int, int]] = []  # (key, bytes) of each new storage, in order
+        # storage key -> the clock each time a storage with that key was made
+        self.made_at: dict[int, list[int]] = defaultdict(list)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -183,6 +194,9 @@ class OpCosts(TorchDispatchMode):
                 self.current.pop(key, None)
                 self.casts.pop(key, None)
                 self.cached.discard(key)
+        self.order.extend(new.items())
+        for key in new:
+            self.made_at[key].append(self.clock())
         self._casts(func, (args, kwargs), seen, new)
         written = sum(new.values())
         own.flops += flops
@@ -314,6 +328,7 @@ class _Recorder:
         self.rec.changed = self.costs.changed
         self.rec.cast_reads = self.costs.cast_reads
         self.rec.cached_casts = self.costs.cached
+        self.rec.made_at = self.costs.made_at
 
     def snap(self) -> int:
         """A mark in the allocator's events (the number of marks before; -1 without)."""
@@ -511,20 +526,24 @@ def record_step(
     dtype = autocast[1] if autocast is not None else None
     rec = _Recorder(model, tree, inputs, dtype, allocator)
     handles = []
-    for m in {id(n.module): n.module for n in tree.walk()}.values():
-        handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))
-        handles.append(m.register_forward_hook(rec.leave, with_kwargs=True))
+    modules = list({id(n.module): n.module for n in tree.walk()}.values())
     positions = ordinary_positions_on_meta() if meta else contextlib.nullcontext()
     cache_off = contextlib.nullcontext() if hf_cache else cache_off_in_training(model)
     saved = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
     watched = rec.allocator or contextlib.nullcontext()
     try:
         with preserved(model, leaf_inputs(args, kwargs)), cache_off, positions:
+            with preserved(model, leaf_inputs(args, kwargs)):
+                deaths = forward_deaths(model, args, kwargs, modules, autocast_for(model, autocast))
+            for m in modules:
+                handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))
+                handles.append(m.register_forward_hook(rec.leave, with_kwargs=True))
             with watched, rec.memory, rec.costs, saved:
                 train_step(
                     model, args, kwargs, loss_fn, after_forward=rec.after_forward, autocast=autocast
                 )
             recording = rec.finish()
+            recording.dies_at = deaths_by_key(rec.costs.order, deaths)
         if rec.allocator is not None:
             highs = _Highs(rec.allocator, rec.made)
             with_scratch(recording, highs, rec.event_marks, rec.save_marks)

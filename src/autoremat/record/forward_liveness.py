@@ -1,0 +1,124 @@
+"""When each storage a forward makes would die if nothing were saved for backward.
+
+A checkpointed forward keeps none of what its ops save: a tensor made inside it lives only as
+long as the module's own code refers to it (a local variable rebound, the last op that reads
+it, the call returning). The recorded step cannot show that, since autograd holds what it
+saved. :func:`forward_deaths` runs the forward once more with every saved tensor dropped (a
+``saved_tensors_hooks`` pair that keeps nothing, no backward) and notes, for each new storage
+in the order the ops made it, how many module events (starts and ends) had happened when it
+died. The recorded step makes the same storages in the same order
+(:func:`new_storages` names them alike), so the two line up by position.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoremat.core.nested import iter_tensors, run_model, storage_key
+
+__all__ = ["ForwardDeaths", "deaths_by_key", "forward_deaths", "new_storages"]
+
+# (key, bytes) of each new storage in the order made; its position -> module events before
+# it died
+ForwardDeaths = tuple[list[tuple[int, int]], dict[int, int]]
+
+
+def new_storages(args: Any, kwargs: Any, out: Any) -> dict[int, int]:
+    """The storages an op's outputs hold that its inputs did not: key -> bytes, in order."""
+    seen = {storage_key(t) for _, t in iter_tensors((args, kwargs))}
+    new: dict[int, int] = {}
+    for _, t in iter_tensors(out):
+        key = storage_key(t)
+        if key is not None and key not in seen and key not in new:
+            new[key] = t.untyped_storage().nbytes()
+    return new
+
+
+class _Deaths(TorchDispatchMode):
+    """Notes each new storage (its key, in order) and the clock when it dies."""
+
+    def __init__(self, clock: Callable[[], int]) -> None:
+        super().__init__()
+        self.clock = clock
+        self.order: list[tuple[int, int]] = []
+        self.died: dict[int, int] = {}
+        self.watching = True
+        self._refs: list[weakref.ref[Any]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        storages = {storage_key(t): t.untyped_storage() for _, t in iter_tensors(out)}
+        for key, size in new_storages(args, kwargs or {}, out).items():
+            self._refs.append(weakref.ref(storages[key], self._dead(len(self.order))))
+            self.order.append((key, size))
+        return out
+
+    def _dead(self, index: int) -> Callable[[Any], None]:
+        def dead(_ref: Any) -> None:
+            if self.watching:
+                self.died[index] = self.clock()
+
+        return dead
+
+
+def forward_deaths(
+    model: nn.Module,
+    args: Any,
+    kwargs: dict[str, Any] | None,
+    modules: Iterable[nn.Module],
+    autocast_context: Any,
+) -> ForwardDeaths:
+    """The forward of ``model`` with nothing saved for backward (module docstring): the keys and
+    bytes of the storages its ops made, in order, and for those that died before it returned,
+    the number of starts and ends of ``modules`` by then. ``autocast_context``: the context the
+    recorded step's forward runs in. The caller puts the model's state back."""
+    clock = [0]
+
+    def tick(*_: Any) -> None:
+        clock[0] += 1
+
+    handles = []
+    for m in modules:
+        handles.append(m.register_forward_pre_hook(tick))
+        handles.append(m.register_forward_hook(tick))
+    deaths = _Deaths(lambda: clock[0])
+    nothing = torch.autograd.graph.saved_tensors_hooks(_drop, _never)
+    try:
+        with torch.enable_grad(), autocast_context, nothing, deaths:
+            output = run_model(model, args, kwargs)
+            deaths.watching = False
+        del output
+    finally:
+        for h in handles:
+            h.remove()
+    return deaths.order, deaths.died
+
+
+def _drop(_t: torch.Tensor) -> None:
+    return None
+
+
+def _never(_packed: None) -> torch.Tensor:
+    raise RuntimeError("forward_deaths runs no backward")
+
+
+def deaths_by_key(recorded: list[tuple[int, int]], found: ForwardDeaths) -> dict[int, int]:
+    """For the recorded step's storages (``recorded``: key and bytes of each new storage, in
+    order), the module events before each died in the forward of ``found``; empty when the two
+    did not make the same storages (by bytes, in order: the forward took another path)."""
+    order, died = found
+    if [size for _, size in recorded[: len(order)]] != [size for _, size in order]:
+        return {}
+    by_key: dict[int, int] = {}
+    for i, (key, _) in enumerate(recorded[: len(order)]):
+        if i in died:
+            by_key[key] = died[i]
+        else:
+            by_key.pop(key, None)  # (a key reused by a storage that lived on)
+    return by_key
