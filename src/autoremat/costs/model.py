@@ -11,7 +11,7 @@ the reasoning and the measured error; in short, for a node checkpointed:
   after it: :func:`cached_bytes`; and those several nodes saved (a shared module's calls),
   freed after the forward once all of them are recomputed: :func:`shared_casts`; inputs
   alive until its backward anyway are not charged, and one an earlier checkpoint keeps
-  is charged once: :func:`charged_inputs`, :func:`shared_inputs`;
+  is charged once: :mod:`autoremat.costs.inputs`;
 * **held during its forward**: those charged inputs from its start, less what its finished
   parts saved (a checkpointed forward drops it, :func:`released`), more, for a selective
   recompute, each kept output nothing else saves, from when it was made: :func:`held_from`;
@@ -30,11 +30,12 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
+from autoremat.costs.inputs import alive_until_after, consumers
 from autoremat.costs.timeline import Timeline
 from autoremat.record.recording import Recording
 from autoremat.record.tree import Node
@@ -44,11 +45,10 @@ __all__ = [
     "Recast",
     "Run",
     "Storages",
-    "alive_until_after",
     "cached_bytes",
     "cast_reads_within",
-    "charged_inputs",
     "freed_bytes",
+    "freers",
     "held_from",
     "kept_cached",
     "kept_cost",
@@ -58,9 +58,7 @@ __all__ = [
     "released",
     "run_recast",
     "runs",
-    "same_storage",
     "shared_casts",
-    "shared_inputs",
 ]
 
 MAX_RUN = 64  # longest run of Sequential children considered as one recompute
@@ -71,7 +69,6 @@ Reads = dict[int, tuple[int, Node]]  # cast storage key -> (bytes, the node that
 
 
 Groups = tuple[tuple[int, tuple[int, ...]], ...]
-Spans = tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # (bytes, (start, end) of nodes)
 Moments = tuple[tuple[int, int, tuple[int, ...]], ...]
 
 
@@ -123,124 +120,54 @@ def lowest_common(
 
 
 def freed_bytes(
-    rec: Recording, line: Timeline, charged: dict[Node, dict[int, int]] | None = None
+    rec: Recording, freers: dict[int, list[Node]], charged: dict[Node, dict[int, int]]
 ) -> tuple[dict[Node, int], dict[Node, int]]:
     """Bytes each node's recompute would free (negative: would cost), and the part of the
     cost that is its inputs (charged; held from its start).
 
-    Freed: storages saved for backward only inside the node's subtree, other than its inputs.
-    Cost: its inputs that nothing inside the subtree saved and that would not be alive until
-    its backward anyway (:func:`charged_inputs`). The checkpoint keeps every input until the
-    node's backward; such an input would otherwise have been freed sooner. ``charged``: those
-    inputs, when already found.
+    Freed: storages saved for backward only inside the node's subtree, other than its inputs
+    (``freers``: :func:`freers`). Cost: ``charged``, its inputs that nothing inside the subtree
+    saved and that would not be alive until its backward anyway
+    (:func:`autoremat.costs.inputs.charged_inputs`). The checkpoint keeps every input until
+    the node's backward; such an input would otherwise have been freed sooner.
     """
     freed: dict[Node, int] = defaultdict(int)
     held: dict[Node, int] = defaultdict(int)
-    for _, size, node in _frees(rec, line):
-        freed[node] += size
-    for n, keys in (charged_inputs(rec, line) if charged is None else charged).items():
+    for key, nodes in freers.items():
+        for node in nodes:
+            freed[node] += rec.savers[key][0]
+    for n, keys in charged.items():
         freed[n] -= sum(keys.values())
         held[n] += sum(keys.values())
     return freed, held
 
 
-def charged_inputs(rec: Recording, line: Timeline) -> dict[Node, dict[int, int]]:
-    """For each node, the inputs (storage -> bytes) its checkpoint keeps longer than they
-    would otherwise live: those nothing inside it saved, but those alive until after its
-    backward anyway (:func:`alive_until_after`)."""
-    freers = _freers(rec, line)
-    found: dict[Node, dict[int, int]] = defaultdict(dict)
-    for n in rec.tree.walk():
-        for key, size in rec.input_keys[n].items():
-            saved_inside = key in rec.savers and any(rec.within(p, n) for p in rec.savers[key][1])
-            if not saved_inside and not alive_until_after(rec, line, n, n, key, freers[key]):
-                found[n][key] = size
-    return found
-
-
-def shared_inputs(
-    rec: Recording, line: Timeline, charged: dict[Node, dict[int, int]]
-) -> dict[Node, Spans]:
-    """For each node, its ``charged`` inputs that nodes ended before it began took as inputs
-    too, grouped as ``(bytes, spans of those nodes)``: when one of them is recomputed, its
-    checkpoint keeps the input until its own backward, after this node's, so this node's
-    charge is not paid again (Falcon's attention and MLP both take one LayerNorm's output)."""
-    consumers = _consumers(rec)
-    found: dict[Node, Spans] = {}
-    for n, keys in charged.items():
-        if n not in line.spans:
-            continue
-        begin = line.spans[n][0]
-        groups: dict[tuple[tuple[int, int], ...], int] = defaultdict(int)
-        here = line.events[n][0]
-        for key, size in keys.items():
-            holders = tuple(
-                sorted(
-                    line.spans[c]
-                    for c in consumers[key]
-                    if c in line.spans
-                    and line.spans[c][1] < begin
-                    and same_storage(rec, key, line.events[c][0], here)
-                )
-            )
-            if holders:
-                groups[holders] += size
-        if groups:
-            found[n] = tuple((b, h) for h, b in groups.items())
-    return found
-
-
-def alive_until_after(
-    rec: Recording, line: Timeline, first: Node, holder: Node, key: int, freers: list[Node]
-) -> bool:
-    """Whether storage ``key``, an input of ``first`` (a node, or a run's first child, the
-    run inside ``holder``), stays alive until after the checkpoint's backward whatever else
-    is recomputed, so a checkpoint keeping it costs nothing: the model returns it (T5's
-    decoder takes the encoder's output, which the model returns too); or a node that ended
-    before ``first`` began saved it (its backward runs later), and every node whose
-    recompute would free it (``freers``, :func:`_freers`) holds ``holder`` (it cannot be
-    chosen with the checkpoint): a BERT layer's output block takes the attention's output,
-    which the intermediate block's Linear saved."""
-    if first not in line.spans:
-        return False
-    if key in rec.output_keys[rec.tree] and same_storage(rec, key, -1, line.events[first][0]):
-        return True  # the model returns it (made before: the same storage) and holds it
-    if key not in rec.savers:
-        return False
-    begin = line.spans[first][0]
-    earlier = any(s in line.spans and line.spans[s][1] < begin for s in rec.savers[key][1])
-    return earlier and all(rec.within(holder, f) for f in freers)
-
-
-def same_storage(rec: Recording, key: int, since: int, until: int) -> bool:
-    """Whether the storage with ``key`` at event ``until`` is the one made before event
-    ``since`` (``-1``: the first made), no storage with that key made in between (a freed
-    storage's key can be reused)."""
-    made = rec.made_at.get(key, [])
-    if since < 0:
-        return bool(made) and made[-1] <= until
-    return not any(since < c <= until for c in made)
-
-
-def _freers(rec: Recording, line: Timeline) -> dict[int, list[Node]]:
-    """For each storage saved for backward, the nodes whose recompute frees it (:func:`_frees`)."""
+def freers(rec: Recording, line: Timeline) -> dict[int, list[Node]]:
+    """For each storage saved for backward, the nodes whose recompute frees it: those whose
+    subtree holds every saver, that did not take it as an input, and for which it is not an
+    output the caller passes on (:func:`_passed_on`)."""
+    parent, depth = rec.family
+    takers = consumers(rec)
     found: dict[int, list[Node]] = defaultdict(list)
-    for key, _, node in _frees(rec, line):
-        found[key].append(node)
+    for key, (_, who) in rec.savers.items():
+        node: Node | None = lowest_common(who, parent, depth)
+        while node is not None:
+            if key not in rec.input_keys[node] and not _passed_on(rec, line, node, key, takers):
+                found[key].append(node)
+            node = parent[node]
     return found
 
 
-def cached_bytes(rec: Recording, line: Timeline) -> dict[Node, int]:
-    """For each node, the part of what its recompute frees (:func:`freed_bytes`) that stays
-    live until the forward ends anyway: the casts autocast's cast cache keeps until its region
-    ends (:attr:`Recording.cached_casts`; a checkpointed forward casts its weights as the step
-    without recompute does). Such a cast is freed when backward begins, unless a node that is
-    not recomputed saved it."""
+def cached_bytes(rec: Recording, freers: dict[int, list[Node]]) -> dict[Node, int]:
+    """For each node, the part of what its recompute frees (:func:`freed_bytes`; ``freers``:
+    :func:`freers`) that stays live until the forward ends anyway: the casts autocast's cast
+    cache keeps until its region ends (:attr:`Recording.cached_casts`; a checkpointed forward
+    casts its weights as the step without recompute does). Such a cast is freed when backward
+    begins, unless a node that is not recomputed saved it."""
     found: dict[Node, int] = defaultdict(int)
-    if rec.cached_casts:
-        for key, size, node in _frees(rec, line):
-            if key in rec.cached_casts:
-                found[node] += size
+    for key in rec.cached_casts & freers.keys():
+        for node in freers[key]:
+            found[node] += rec.savers[key][0]
     return found
 
 
@@ -267,31 +194,8 @@ def shared_casts(rec: Recording, line: Timeline) -> dict[Node, Groups]:
     return {n: tuple((b, e) for e, b in groups.items()) for n, groups in found.items()}
 
 
-def _frees(rec: Recording, line: Timeline) -> Iterator[tuple[int, int, Node]]:
-    """``(storage key, bytes, node)`` for each node whose recompute frees the storage: one
-    saved for backward only inside the node's subtree, not its input, and not an output the
-    caller passes on (:func:`_passed_on`)."""
-    parent, depth = rec.family
-    consumers = _consumers(rec)
-    for key, (size, who) in rec.savers.items():
-        node: Node | None = lowest_common(who, parent, depth)
-        while node is not None:
-            if key not in rec.input_keys[node] and not _passed_on(rec, line, node, key, consumers):
-                yield key, size, node
-            node = parent[node]
-
-
-def _consumers(rec: Recording) -> dict[int, list[Node]]:
-    """For each storage, the nodes it is an input of."""
-    found: dict[int, list[Node]] = defaultdict(list)
-    for n in rec.tree.walk():
-        for key in rec.input_keys[n]:
-            found[key].append(n)
-    return found
-
-
 def _passed_on(
-    rec: Recording, line: Timeline, node: Node, key: int, consumers: dict[int, list[Node]]
+    rec: Recording, line: Timeline, node: Node, key: int, takers: dict[int, list[Node]]
 ) -> bool:
     """Whether storage ``key`` is an output of ``node`` that a node outside it, beginning
     after other nodes ended, takes as an input (a UNet down block's skip output, which the up
@@ -304,7 +208,7 @@ def _passed_on(
     end = line.spans[node][1]
     return any(
         not rec.within(c, node) and not rec.within(node, c) and line.spans[c][0] > end + 1
-        for c in consumers[key]
+        for c in takers[key]
         if c in line.spans
     )
 
@@ -516,16 +420,18 @@ def _chained_children(node: Node, line: Timeline) -> bool:
 
 
 def runs(
-    rec: Recording, line: Timeline, gone: dict[Node, list[tuple[int, int, int]]]
+    rec: Recording,
+    line: Timeline,
+    gone: dict[Node, list[tuple[int, int, int]]],
+    freers: dict[int, list[Node]],
 ) -> dict[Node, tuple[Run, ...]]:
     """Costs of recomputing runs of two or more consecutive children of each plain
     ``nn.Sequential`` (whose stock forward chains its children), as :func:`freed_bytes`,
     :func:`held_from` and :func:`recompute_peak` price one node: a run's recompute begins when
     backward first uses what any of its children saved, and ends at the last save of any.
     ``gone``: :func:`released`; a run drops, part-way, what its parent would drop inside the
-    run's span."""
+    run's span. ``freers``: :func:`freers`."""
     chained = [node for node in rec.tree.walk() if _chained_children(node, line)]
-    freers = _freers(rec, line) if chained else {}
     return {node: tuple(_runs_of(rec, line, node, gone.get(node, []), freers)) for node in chained}
 
 

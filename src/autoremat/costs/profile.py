@@ -51,6 +51,7 @@ from autoremat.core.nested import iter_tensors
 from autoremat.core.own_checkpointing import switched_off, turned_off_message
 from autoremat.core.selective import WAYS
 from autoremat.core.sizes import format_size
+from autoremat.costs import inputs
 from autoremat.costs import model as cost_model
 from autoremat.costs.model import Recast, Run, Storages
 from autoremat.costs.timeline import Timeline, timeline
@@ -146,7 +147,7 @@ class NodeCost:
     works that out from the plan), in any way. ``shared_inputs``: inputs in ``held`` that
     nodes ended before it began took too, ``(bytes, (start, end) of those nodes)``: not held
     again when one of them is recomputed, in any way, since its checkpoint keeps them longer
-    (:func:`autoremat.costs.model.shared_inputs`).
+    (:func:`autoremat.costs.inputs.shared_inputs`).
     """
 
     path: str
@@ -424,10 +425,11 @@ class _Assembly:
 
     def __init__(self, rec: Recording, line: Timeline, times: _Times) -> None:
         self.rec, self.line, self.times = rec, line, times
-        charged = cost_model.charged_inputs(rec, line)
-        self.freed, self.charged = cost_model.freed_bytes(rec, line, charged)
-        self.shared_inputs = cost_model.shared_inputs(rec, line, charged)
-        self.cached = cost_model.cached_bytes(rec, line)
+        freers = cost_model.freers(rec, line)
+        charged = inputs.charged_inputs(rec, line, freers)
+        self.freed, self.charged = cost_model.freed_bytes(rec, freers, charged)
+        self.shared_inputs = inputs.shared_inputs(rec, line, charged)
+        self.cached = cost_model.cached_bytes(rec, freers)
         self.shared = cost_model.shared_casts(rec, line)
         ends = {node: end for node, (_, end) in line.spans.items()}
         self.released = cost_model.released(rec, ends, line.ended_before)
@@ -435,7 +437,7 @@ class _Assembly:
         self.recasts = cost_model.recasts(rec, line, self.reads)
         self.runs = {
             node: tuple(self._recast_run(node.children, r) for r in found)
-            for node, found in cost_model.runs(rec, line, self.released).items()
+            for node, found in cost_model.runs(rec, line, self.released, freers).items()
         }
         self.found: dict[Node, NodeCost] = {}
 

@@ -29,9 +29,9 @@ __all__ = ["ForwardDeaths", "deaths_by_key", "forward_deaths", "new_storages"]
 ForwardDeaths = tuple[list[tuple[int, int]], dict[int, int]]
 
 
-def new_storages(args: Any, kwargs: Any, out: Any) -> dict[int, int]:
-    """The storages an op's outputs hold that its inputs did not: key -> bytes, in order."""
-    seen = {storage_key(t) for _, t in iter_tensors((args, kwargs))}
+def new_storages(seen: set[int | None], out: Any) -> dict[int, int]:
+    """The storages an op's outputs hold that its inputs (``seen``: their storage keys) did
+    not: key -> bytes, in order."""
     new: dict[int, int] = {}
     for _, t in iter_tensors(out):
         key = storage_key(t)
@@ -54,7 +54,8 @@ class _Deaths(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         storages = {storage_key(t): t.untyped_storage() for _, t in iter_tensors(out)}
-        for key, size in new_storages(args, kwargs or {}, out).items():
+        seen = {storage_key(t) for _, t in iter_tensors((args, kwargs))}
+        for key, size in new_storages(seen, out).items():
             self._refs.append(weakref.ref(storages[key], self._dead(len(self.order))))
             self.order.append((key, size))
         return out

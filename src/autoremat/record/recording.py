@@ -28,7 +28,7 @@ from autoremat.core.huggingface import cache_off_in_training, ordinary_positions
 from autoremat.core.nested import iter_tensors, storage_key
 from autoremat.core.progress import Progress
 from autoremat.core.selective import WAYS, keeps, resolve
-from autoremat.record.forward_liveness import deaths_by_key, forward_deaths
+from autoremat.record.forward_liveness import deaths_by_key, forward_deaths, new_storages
 from autoremat.record.memory import CpuAllocatorMemory, LiveMemory
 from autoremat.record.snapshot import preserved
 from autoremat.record.step import Autocast, LossFn, autocast_for, leaf_inputs, train_step
@@ -186,16 +186,12 @@ class OpCosts(TorchDispatchMode):
         formula = flop_registry.get(func._overloadpacket)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         seen = {storage_key(t) for _, t in iter_tensors((args, kwargs))}
-        new: dict[int, int] = {}
-        for _, t in iter_tensors(out):
-            key = storage_key(t)
-            if key is not None and key not in seen:
-                new[key] = t.untyped_storage().nbytes()
-                self.current.pop(key, None)
-                self.casts.pop(key, None)
-                self.cached.discard(key)
+        new = new_storages(seen, out)  # (as the forward that saves nothing sees them)
         self.order.extend(new.items())
         for key in new:
+            self.current.pop(key, None)
+            self.casts.pop(key, None)
+            self.cached.discard(key)
             self.made_at[key].append(self.clock())
         self._casts(func, (args, kwargs), seen, new)
         written = sum(new.values())

@@ -1,0 +1,119 @@
+"""What a checkpoint's inputs cost: the checkpoint keeps every input until the node's
+backward, which costs only the inputs that would otherwise have died sooner.
+
+Not charged: an input saved inside the node (freed with it, or kept anyway), one that a node
+ended earlier saved (alive until that node's backward, after this one's: a BERT layer's output
+block takes the attention output the intermediate block's Linear saved), and one the model
+returns (the step holds it: T5's encoder output). An input that earlier nodes took too is
+charged once when one of them is recomputed (:func:`shared_inputs`: Falcon's attention and
+MLP both take one LayerNorm's output). Pure functions over a recording and its timeline, as
+:mod:`autoremat.costs.model`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from autoremat.costs.timeline import Timeline
+from autoremat.record.recording import Recording
+from autoremat.record.tree import Node
+
+__all__ = [
+    "Spans",
+    "alive_until_after",
+    "charged_inputs",
+    "consumers",
+    "same_storage",
+    "shared_inputs",
+]
+
+Spans = tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # (bytes, (start, end) of nodes)
+
+
+def consumers(rec: Recording) -> dict[int, list[Node]]:
+    """For each storage, the nodes it is an input of."""
+    found: dict[int, list[Node]] = defaultdict(list)
+    for n in rec.tree.walk():
+        for key in rec.input_keys[n]:
+            found[key].append(n)
+    return found
+
+
+def charged_inputs(
+    rec: Recording, line: Timeline, freers: dict[int, list[Node]]
+) -> dict[Node, dict[int, int]]:
+    """For each node, the inputs (storage -> bytes) its checkpoint keeps longer than they
+    would otherwise live: those nothing inside it saved, but those alive until after its
+    backward anyway (:func:`alive_until_after`; ``freers``:
+    :func:`autoremat.costs.model.freers`)."""
+    found: dict[Node, dict[int, int]] = defaultdict(dict)
+    for n in rec.tree.walk():
+        for key, size in rec.input_keys[n].items():
+            saved_inside = key in rec.savers and any(rec.within(p, n) for p in rec.savers[key][1])
+            if not saved_inside and not alive_until_after(rec, line, n, n, key, freers[key]):
+                found[n][key] = size
+    return found
+
+
+def shared_inputs(
+    rec: Recording, line: Timeline, charged: dict[Node, dict[int, int]]
+) -> dict[Node, Spans]:
+    """For each node, its ``charged`` inputs that nodes ended before it began took as inputs
+    too, grouped as ``(bytes, spans of those nodes)``: when one of them is recomputed, its
+    checkpoint keeps the input until its own backward, after this node's, so this node's
+    charge is not paid again (Falcon's attention and MLP both take one LayerNorm's output)."""
+    takers = consumers(rec)
+    found: dict[Node, Spans] = {}
+    for n, keys in charged.items():
+        if n not in line.spans:
+            continue
+        begin = line.spans[n][0]
+        groups: dict[tuple[tuple[int, int], ...], int] = defaultdict(int)
+        here = line.events[n][0]
+        for key, size in keys.items():
+            holders = tuple(
+                sorted(
+                    line.spans[c]
+                    for c in takers[key]
+                    if c in line.spans
+                    and line.spans[c][1] < begin
+                    and same_storage(rec, key, line.events[c][0], here)
+                )
+            )
+            if holders:
+                groups[holders] += size
+        if groups:
+            found[n] = tuple((b, h) for h, b in groups.items())
+    return found
+
+
+def alive_until_after(
+    rec: Recording, line: Timeline, first: Node, holder: Node, key: int, freers: list[Node]
+) -> bool:
+    """Whether storage ``key``, an input of ``first`` (a node, or a run's first child, the
+    run inside ``holder``), stays alive until after the checkpoint's backward whatever else
+    is recomputed, so a checkpoint keeping it costs nothing: the model returns it (T5's
+    decoder takes the encoder's output, which the model returns too); or a node that ended
+    before ``first`` began saved it (its backward runs later), and every node whose
+    recompute would free it (``freers``, :func:`autoremat.costs.model.freers`) holds
+    ``holder`` (it cannot be chosen with the checkpoint): a BERT layer's output block takes
+    the attention's output, which the intermediate block's Linear saved."""
+    if first not in line.spans:
+        return False
+    if key in rec.output_keys[rec.tree] and same_storage(rec, key, -1, line.events[first][0]):
+        return True  # the model returns it (made before: the same storage) and holds it
+    if key not in rec.savers:
+        return False
+    begin = line.spans[first][0]
+    earlier = any(s in line.spans and line.spans[s][1] < begin for s in rec.savers[key][1])
+    return earlier and all(rec.within(holder, f) for f in freers)
+
+
+def same_storage(rec: Recording, key: int, since: int, until: int) -> bool:
+    """Whether the storage with ``key`` at event ``until`` is the one made before event
+    ``since`` (``-1``: the first made), no storage with that key made in between (a freed
+    storage's key can be reused)."""
+    made = rec.made_at.get(key, [])
+    if since < 0:
+        return bool(made) and made[-1] <= until
+    return not any(since < c <= until for c in made)
