@@ -225,7 +225,8 @@ def released(
     ancestor's forward runs with those bytes gone (unless a selective recompute keeps them).
     Sooner, and in ``r``'s own checkpointed forward too, when a forward that saved nothing
     saw it die before ``r`` ended (:attr:`Recording.dies_at`; ``ended_before``: the
-    timeline's): from the point after the one in which it died.
+    timeline's): from the point after the one of the event after which it adds to no
+    moment's peak.
     """
     parent, depth = rec.family
     found: dict[Node, list[tuple[int, int, int]]] = defaultdict(list)

@@ -5,8 +5,10 @@ long as the module's own code refers to it (a local variable rebound, the last o
 it, the call returning). The recorded step cannot show that, since autograd holds what it
 saved. :func:`forward_deaths` runs the forward once more with every saved tensor dropped (a
 ``saved_tensors_hooks`` pair that keeps nothing, no backward) and notes, for each new storage
-in the order the ops made it, how many module events (starts and ends) had happened when it
-died. The recorded step makes the same storages in the same order
+in the order the ops made it, after which module event (start or end) it adds to no moment's
+peak: how many had happened when it died, or, when no op made a storage between the last end
+and its death, that end (what was live then bounds every moment up to the death, and that end
+sees it alive). The recorded step makes the same storages in the same order
 (:func:`new_storages` names them alike), so the two line up by position.
 """
 
@@ -24,8 +26,8 @@ from autoremat.core.nested import iter_tensors, run_model, storage_key
 
 __all__ = ["ForwardDeaths", "deaths_by_key", "forward_deaths", "new_storages"]
 
-# (key, bytes) of each new storage in the order made; its position -> module events before
-# it died
+# (key, bytes) of each new storage in the order made; its position -> the index of the module
+# event after which it adds to no moment's peak
 ForwardDeaths = tuple[list[tuple[int, int]], dict[int, int]]
 
 
@@ -41,15 +43,22 @@ def new_storages(seen: set[int | None], out: Any) -> dict[int, int]:
 
 
 class _Deaths(TorchDispatchMode):
-    """Notes each new storage (its key, in order) and the clock when it dies."""
+    """Notes each new storage (its key, in order) and the event after which it adds to no
+    moment's peak (module docstring); :meth:`tick` counts the events."""
 
-    def __init__(self, clock: Callable[[], int]) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.clock = clock
+        self.clock = 0
         self.order: list[tuple[int, int]] = []
         self.died: dict[int, int] = {}
         self.watching = True
         self._refs: list[weakref.ref[Any]] = []
+        self._last_end: tuple[int, int] | None = None  # (its event index, storages made by then)
+
+    def tick(self, end: bool) -> None:
+        if end:
+            self._last_end = (self.clock, len(self.order))
+        self.clock += 1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -62,8 +71,10 @@ class _Deaths(TorchDispatchMode):
 
     def _dead(self, index: int) -> Callable[[Any], None]:
         def dead(_ref: Any) -> None:
-            if self.watching:
-                self.died[index] = self.clock()
+            if not self.watching:
+                return
+            quiet = self._last_end is not None and self._last_end[1] == len(self.order)
+            self.died[index] = self._last_end[0] if quiet and self._last_end else self.clock
 
         return dead
 
@@ -77,18 +88,14 @@ def forward_deaths(
 ) -> ForwardDeaths:
     """The forward of ``model`` with nothing saved for backward (module docstring): the keys and
     bytes of the storages its ops made, in order, and for those that died before it returned,
-    the number of starts and ends of ``modules`` by then. ``autocast_context``: the context the
-    recorded step's forward runs in. The caller puts the model's state back."""
-    clock = [0]
-
-    def tick(*_: Any) -> None:
-        clock[0] += 1
-
+    the index among the starts and ends of ``modules`` of the event after which each adds to
+    no moment's peak (module docstring). ``autocast_context``: the context the recorded step's
+    forward runs in. The caller puts the model's state back."""
+    deaths = _Deaths()
     handles = []
     for m in modules:
-        handles.append(m.register_forward_pre_hook(tick))
-        handles.append(m.register_forward_hook(tick))
-    deaths = _Deaths(lambda: clock[0])
+        handles.append(m.register_forward_pre_hook(lambda *_: deaths.tick(end=False)))
+        handles.append(m.register_forward_hook(lambda *_: deaths.tick(end=True)))
     nothing = torch.autograd.graph.saved_tensors_hooks(_drop, _never)
     try:
         with torch.enable_grad(), autocast_context, nothing, deaths:

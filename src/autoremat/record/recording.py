@@ -118,8 +118,9 @@ class Recording:
     # region ends (a weight's copy in the lower precision: a float32 leaf that requires grad),
     # whoever saved them: a checkpointed module does not free them during the forward
     cached_casts: set[int] = field(default_factory=set)
-    # storage key -> the events before it died in a forward that saved nothing (as a
-    # checkpointed forward), for those that died before the forward returned
+    # storage key -> the index of the event after which it adds to no moment's peak in a
+    # forward that saved nothing (as a checkpointed forward), for those that died before the
+    # forward returned
     # (:mod:`autoremat.record.forward_liveness`)
     dies_at: dict[int, int] = field(default_factory=dict)
     # storage key -> the event count each time a storage with that key was made (a freed
