@@ -38,10 +38,21 @@ from autoremat.record.step import default_loss
 from library_zoo import ZooModel, own_checkpointing_on
 from library_zoo.state import changes, probe, state_of
 
-__all__ = ["CallsCheck", "PlanCheck", "ZooRow", "check", "check_calls", "trajectory"]
+__all__ = [
+    "ESTIMATE_BOUNDS",
+    "CallsCheck",
+    "PlanCheck",
+    "ZooRow",
+    "check",
+    "check_calls",
+    "trajectory",
+]
 
 STEPS = 2
 LR = 1e-2
+# (estimated - measured) / measured allowed for the mid and the lowest plan: the memory
+# prediction's promise (docs/cost-model.md)
+ESTIMATE_BOUNDS = {"mid": (-0.005, 0.02), "lowest": (-0.005, 0.05)}
 
 
 @dataclass
@@ -88,8 +99,9 @@ class ZooRow:
 
     def failures(self) -> list[str]:
         """What breaks the zoo's promise: a crash; a plan that did not train exactly, was not
-        recomputed or measured over its budget (fp32 and bf16: every plan held in both since
-        autocast's cast cache is priced); the user's model left changed."""
+        recomputed, measured over its budget (fp32 and bf16: every plan held in both since
+        autocast's cast cache is priced) or estimated outside :data:`ESTIMATE_BOUNDS`; the
+        user's model left changed."""
         where = f"{self.model} {self.precision} own={self.own}"
         found = [f"{where}: {self.error}"] if self.error else []
         found += [f"{where}: {c}" for c in self.left_as_found]
@@ -101,9 +113,19 @@ class ZooRow:
             bad += [] if c.recomputed or c.error else ["not recomputed"]
             over = not c.held and not c.error
             bad += ["over budget"] if over else []
+            bad += _estimate_outside(c, name)
             bad += [] if c.switch_restored else ["own checkpointing not off while applied"]
             found += [f"{where} {name}: {b}" for b in bad]
         return found
+
+
+def _estimate_outside(c: PlanCheck, name: str) -> list[str]:
+    """The estimate error of plan ``name`` (mid, lowest) when outside its bounds."""
+    under, over = ESTIMATE_BOUNDS[name]
+    err = c.estimate_error
+    if err is None or under <= err <= over:
+        return []
+    return [f"estimate {err:+.2%} (bounds {under:+.1%} to {over:+.1%})"]
 
 
 def _dtype(precision: str) -> torch.dtype | None:
