@@ -14,6 +14,7 @@ from torch import nn
 import autoremat
 from autoremat.comparison.recomputed import RecomputeCounter
 from autoremat.planning.solver import predict_peak
+from moments import forward_moments
 
 D, ROWS = 256, 512
 
@@ -96,6 +97,34 @@ class Rebinds(nn.Module):
         return self.c(h)
 
 
+class LateRelease(nn.Module):
+    """GELU saves the first Linear's output ``a``; the code makes ``c`` (four times as wide,
+    saved by nothing) before it lets ``a`` go, so inside a checkpoint ``a`` is alive at that
+    moment, after GELU has ended, and that moment is the block's highest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.gelu, self.lin2 = nn.Linear(D, D), nn.GELU(), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.lin1(x)
+        b = self.gelu(a)
+        c = b.repeat(1, 4)
+        del a
+        d = c.sum(1, keepdim=True)
+        del c
+        return self.lin2(b * d)
+
+
+class Late(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = LateRelease(), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
 def _chosen(prof: autoremat.Profile, entries: list[str]) -> list:
     from autoremat.planning.planning_tree import planning_tree
 
@@ -166,3 +195,29 @@ def test_the_forward_that_saves_nothing_leaves_the_model_and_rng_as_found():
     assert prof.peak > 0
     order, died = forward_deaths(model, (x,), None, list(model.modules()), torch.enable_grad())
     assert len(order) > len(died) > 0  # some storages died inside; the output did not
+
+
+def test_a_tensor_let_go_after_another_is_made_is_priced_alive_until_then():
+    """``a`` dies inside ``block`` after an op made ``c``: the moment ``c`` is made holds it,
+    so it is priced gone only from the point after the one it died in. Point by point the
+    prediction is never under the measured forward (the end of a call its point's alone),
+    and the step's peak is predicted to the byte."""
+    prof = _check(Late(), ["block"], slack=D * 4)  # (a bias gradient, as above)
+    chosen = _chosen(prof, ["block"])
+    torch.manual_seed(0)
+    x = torch.randn(ROWS, D)
+    model = Late()
+    autoremat.wrap.apply(model, ["block"])
+    try:
+        measured = forward_moments(model, x)
+    finally:
+        autoremat.remove(model)
+    (s,) = chosen
+    for p, b in prof.forward_points:
+        predicted = b + (s.held_at(p) if s.start < p <= s.end else 0)
+        predicted -= s.freed_in_forward if s.end < p else 0
+        assert measured[p] <= predicted, p
+    # ``a`` from the point after the one it died in, not just after GELU's end
+    gelu_end = prof["block.gelu"].end
+    assert prof["block.lin2"].end == gelu_end + 1
+    assert min(p for p, _ in prof["block"].held_from) == gelu_end + 2

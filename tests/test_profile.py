@@ -12,6 +12,7 @@ from torch import nn
 import autoremat
 from autoremat.comparison.recomputed import RecomputeCounter
 from autoremat.examples import EXAMPLES, llama_on_meta
+from moments import forward_moments
 
 MiB = 2**20
 MM = 2 * 2048 * 512 * 512  # FLOPs of one (2048 x 512) @ (512 x 512) matmul
@@ -173,45 +174,6 @@ def chosen_items(prof: autoremat.Profile, entries: list[str], selective: list[st
         next(o for o in items[e].other_ways if o.way == "selective") if e in selective else items[e]
         for e in entries
     ]
-
-
-def forward_moments(model: nn.Module, x: torch.Tensor) -> dict[int, int]:
-    """The most live bytes at each point of the forward (``p``: module calls ended before).
-    The moment a call ends is its point's alone: the next point has the moments after it (a
-    tensor the code lets go just after a call returns is gone at every moment there that can
-    hold a peak, as the profile prices it)."""
-    from autoremat.record.memory import LiveMemory
-    from autoremat.record.step import default_loss, train_step
-
-    memory, most, ended, on = LiveMemory(), {}, [0], [True]
-
-    def mark(ends: int) -> None:
-        if on[0]:
-            most[ended[0]] = max(most.get(ended[0], 0), memory.peak)
-            ended[0] += ends
-        memory.reset_peak()
-        if ends:
-            memory.peak = 0  # (only what is made from now on can raise it)
-
-    def stop() -> None:
-        mark(0)
-        on[0] = False
-
-    hooks = [
-        h
-        for m in model.modules()
-        for h in (
-            m.register_forward_pre_hook(lambda *_: mark(0)),
-            m.register_forward_hook(lambda *_: mark(1)),
-        )
-    ]
-    try:
-        with memory:
-            train_step(model, (x,), {}, default_loss, after_forward=stop)
-    finally:
-        for h in hooks:
-            h.remove()
-    return most
 
 
 @pytest.mark.slow
