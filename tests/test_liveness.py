@@ -125,6 +125,31 @@ class Late(nn.Module):
         return self.head(self.block(x))
 
 
+class KeepsItsInput(nn.Module):
+    """A Linear whose output ``y`` nothing saves but the code reads to the end (its last
+    columns, summed last): the step without recompute holds it through the forward anyway.
+    A selective recompute keeps ``y`` and the second Linear's output (matmul outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(D, D + 8), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        a, b = y[:, :D], y[:, D:]
+        c = self.out((a * 0.5).tanh().exp().sigmoid())
+        return c + b.sum(1, keepdim=True)
+
+
+class Kept(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = KeepsItsInput(), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
 def _chosen(prof: autoremat.Profile, entries: list[str]) -> list:
     from autoremat.planning.planning_tree import planning_tree
 
@@ -221,3 +246,36 @@ def test_a_tensor_let_go_after_another_is_made_is_priced_alive_until_then():
     gelu_end = prof["block.gelu"].end
     assert prof["block.lin2"].end == gelu_end + 1
     assert min(p for p, _ in prof["block"].held_from) == gelu_end + 2
+
+
+def test_a_kept_output_is_charged_only_from_when_the_step_would_let_it_go():
+    """A selective recompute's kept outputs that nothing saves cost more than the step
+    without recompute only once that step would have let them go (here: as the block
+    returns), not from when they were made: inside the block the prediction is the step's
+    own bytes less nothing, never under the measured forward, and the step's peak is
+    predicted to the byte (two-tower's last attention, where ``v`` keeps the qkv output, was
+    11.6 MB over)."""
+    from autoremat.core.selective import WAYS
+    from autoremat.planning.planning_tree import planning_tree
+
+    torch.manual_seed(0)
+    model, x = Kept(), torch.randn(ROWS, D)
+    prof = autoremat.profile(model, (x,))
+    items = {i.path: i for i in planning_tree(prof).walk()}
+    (way,) = [o for o in items["block"].other_ways if o.way == "selective"]
+    end = prof["block"].end
+    assert way.held == 0 and len(way.held_from) == 1 and way.held_from[0][0] == end
+    assert way.held_from[0][1] < 0  # (what it drops outweighs what it keeps, at the end)
+    predicted = predict_peak(prof.backward_points, [way], prof.forward_points)
+    autoremat.wrap.apply(model, ["block"], selective={"block": WAYS["selective"]})
+    try:
+        measured = autoremat.measure(model, (x,)).peak
+        moments = forward_moments(model, x)
+        with RecomputeCounter() as seen:
+            autoremat.measure(model, (x,))
+    finally:
+        autoremat.remove(model)
+    assert not seen.missing(["block"]) and predicted == measured
+    for p, b in prof.forward_points:
+        inside = way.held_at(p) if way.start < p <= way.end else 0
+        assert moments[p] <= b + inside - (way.freed_in_forward if way.end < p else 0), p

@@ -239,7 +239,7 @@ def released(
         if r is None or r not in ends:
             continue
         point = ends[r] + 1
-        died = rec.dies_at.get(key)
+        died = rec.died(key)
         if died is not None and died < len(ended_before) and ended_before[died] < ends[r]:
             point = ended_before[died] + 1
             found[r].append((point, key, size))
@@ -293,16 +293,31 @@ def held_from(
     """How the bytes a checkpoint of a node holds beyond the step without recompute change
     during its forward (``gone``: its :func:`released` storages; ``kept``: the outputs its
     selective way keeps, empty for a whole recompute): less what finished parts saved, which
-    its forward drops; more each kept output nothing saves, from when it was made."""
+    its forward drops; more each kept output nothing saves, from the point in which the step
+    without recompute lets it go (:meth:`Recording.died`; from when it was made if that is not
+    known; never in the forward if it outlives it)."""
     cached = {key for uid, (key, _) in kept.items() if rec.kept_savers.get(uid)}
     return _steps(
         [(p, -size) for p, key, size in gone if key not in cached]
         + [
-            (line.ended_before[rec.born[uid]], size)
-            for uid, (_, size) in kept.items()
+            (point, size)
+            for uid, (key, size) in kept.items()
             if not rec.kept_savers.get(uid)
+            and (point := _kept_from(rec, line, uid, key)) is not None
         ]
     )
+
+
+def _kept_from(rec: Recording, line: Timeline, uid: int, key: int) -> int | None:
+    """The first point of the forward at which a kept output nothing saves is live only
+    because a selective recompute keeps it (``None``: not before the forward ends)."""
+    born = rec.born[uid]
+    if key not in rec.dies_at:  # (not known: from when it was made)
+        return line.ended_before[born]
+    died = rec.died(key, born)
+    if died is None or died >= len(line.ended_before):
+        return None
+    return line.ended_before[died]
 
 
 def recompute_peak(rec: Recording, line: Timeline, node: Node, freed: int, kept: Storages) -> int:

@@ -116,17 +116,19 @@ def _never(_packed: None) -> torch.Tensor:
     raise RuntimeError("forward_deaths runs no backward")
 
 
-def deaths_by_key(recorded: list[tuple[int, int]], found: ForwardDeaths) -> dict[int, int]:
+def deaths_by_key(
+    recorded: list[tuple[int, int]], made_at: dict[int, list[int]], found: ForwardDeaths
+) -> dict[int, list[tuple[int, int | None]]]:
     """For the recorded step's storages (``recorded``: key and bytes of each new storage, in
-    order), the module events before each died in the forward of ``found``; empty when the two
-    did not make the same storages (by bytes, in order: the forward took another path)."""
+    order; ``made_at``: the clock of each birth per key, in order), per key each storage's
+    ``(birth clock, event after which it adds to no moment's peak)`` in the forward of
+    ``found``, ``None`` for one that lived on; empty when the two did not make the same
+    storages (by bytes, in order: the forward took another path)."""
     order, died = found
     if [size for _, size in recorded[: len(order)]] != [size for _, size in order]:
         return {}
-    by_key: dict[int, int] = {}
+    lives: dict[int, list[tuple[int, int | None]]] = {}
     for i, (key, _) in enumerate(recorded[: len(order)]):
-        if i in died:
-            by_key[key] = died[i]
-        else:
-            by_key.pop(key, None)  # (a key reused by a storage that lived on)
-    return by_key
+        had = lives.setdefault(key, [])
+        had.append((made_at[key][len(had)], died.get(i)))
+    return lives

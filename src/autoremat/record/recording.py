@@ -118,14 +118,23 @@ class Recording:
     # region ends (a weight's copy in the lower precision: a float32 leaf that requires grad),
     # whoever saved them: a checkpointed module does not free them during the forward
     cached_casts: set[int] = field(default_factory=set)
-    # storage key -> the index of the event after which it adds to no moment's peak in a
-    # forward that saved nothing (as a checkpointed forward), for those that died before the
-    # forward returned
-    # (:mod:`autoremat.record.forward_liveness`)
-    dies_at: dict[int, int] = field(default_factory=dict)
+    # storage key -> for each storage with that key the forward made, in order: (the event
+    # count when it was made, the index of the event after which it adds to no moment's peak
+    # in a forward that saved nothing, as a checkpointed forward; None: it lived on)
+    # (:mod:`autoremat.record.forward_liveness`; :meth:`died`)
+    dies_at: dict[int, list[tuple[int, int | None]]] = field(default_factory=dict)
     # storage key -> the event count each time a storage with that key was made (a freed
     # storage's key can be reused)
     made_at: dict[int, list[int]] = field(default_factory=dict)
+
+    def died(self, key: int, born: int | None = None) -> int | None:
+        """The event after which the storage with ``key`` made at ``born`` (``None``: the last
+        with that key) adds to no moment's peak of a forward that saved nothing; ``None`` when
+        it lived on, or nothing is known of it."""
+        lives = self.dies_at.get(key, [])
+        if born is None:
+            return lives[-1][1] if lives else None
+        return next((died for made, died in lives if made == born), None)
 
     @functools.cached_property
     def family(self) -> tuple[dict[Node, Node | None], dict[Node, int]]:
@@ -540,7 +549,7 @@ def record_step(
                     model, args, kwargs, loss_fn, after_forward=rec.after_forward, autocast=autocast
                 )
             recording = rec.finish()
-            recording.dies_at = deaths_by_key(rec.costs.order, deaths)
+            recording.dies_at = deaths_by_key(rec.costs.order, rec.costs.made_at, deaths)
         if rec.allocator is not None:
             highs = _Highs(rec.allocator, rec.made)
             with_scratch(recording, highs, rec.event_marks, rec.save_marks)
