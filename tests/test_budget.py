@@ -499,6 +499,38 @@ def test_a_shared_cast_is_freed_after_the_forward_once_every_saver_is_recomputed
         solve(root, after, 71, forward)
 
 
+def test_a_late_cast_is_freed_between_the_first_call_and_the_others_backward() -> None:
+    """A first call's weight copy that a later call (node 2) saves too: with the first call
+    recomputed and not the later one, freed at the points after the forward above the
+    first call's end and below the later call's start (its backward has run); not when the
+    later call is recomputed too, and never in the forward. The walk prices it as not freed
+    (an upper bound): its answer fits all the same."""
+    first = Item("c@0", start=0, end=0, freed=10, flops=1, late_casts=((6, (2,), 2),))
+    middle = Item("m", start=1, end=1, freed=1, flops=5)
+    later = Item("c@1", start=2, end=2, freed=10, flops=1)
+    root = Item("r", start=0, end=3, freed=0, flops=0, children=(first, middle, later))
+    after, forward = ((1, 100), (2, 80), (3, 80)), ((1, 95),)
+    assert predict_peak(after, [first], forward) == max(100 - 10 - 6, 80 - 10, 95 - 10)
+    assert predict_peak(after, [first, later], forward) == max(100 - 10, 80 - 20, 95 - 10)
+    chosen = solve(root, after, 90, forward)
+    assert predict_peak(after, chosen, forward) <= 90
+
+
+def test_an_input_the_step_holds_anyway_is_credited_while_it_does() -> None:
+    """An input in ``held`` the step without recompute holds anyway until the forward's
+    point 3, and after the forward above point 4: credited there, unless an earlier taker of
+    it (span (0, 0)) is chosen, whose checkpoint holds it longer."""
+    taker = Item("t", start=0, end=0, freed=1, flops=1)
+    node = Item(
+        "n", start=1, end=1, freed=10, flops=1, held=4, alive_inputs=((4, 3, 4, ((0, 0),)),)
+    )
+    after, forward = ((2, 100), (5, 100)), ((1, 50), (2, 60), (3, 60))
+    # forward: inside its span +4 held less 4 credited; after it less freed, less 4 before 3
+    assert predict_peak((), [node], forward) == max(50, 60 - 10 - 4, 60 - 10)
+    assert predict_peak(after, [node]) == max(100 - 10, 100 - 10 - 4)
+    assert predict_peak(after, [taker, node]) == max(100 - 11, 100 - 11)
+
+
 def test_a_recast_counts_unless_every_holder_is_recomputed() -> None:
     """A recompute's recast counts at its peak and in its backward's moments while a holder
     is not recomputed; once every holder is, it does not; and the solver sees it."""

@@ -52,6 +52,7 @@ __all__ = [
     "held_from",
     "kept_cached",
     "kept_cost",
+    "late_casts",
     "lowest_common",
     "recasts",
     "recompute_peak",
@@ -69,6 +70,7 @@ Reads = dict[int, tuple[int, Node]]  # cast storage key -> (bytes, the node that
 
 
 Groups = tuple[tuple[int, tuple[int, ...]], ...]
+LateGroups = tuple[tuple[int, tuple[int, ...], int], ...]  # (bytes, ends, first start)
 Moments = tuple[tuple[int, int, tuple[int, ...]], ...]
 
 
@@ -194,6 +196,33 @@ def shared_casts(rec: Recording, line: Timeline) -> dict[Node, Groups]:
     return {n: tuple((b, e) for e, b in groups.items()) for n, groups in found.items()}
 
 
+def late_casts(rec: Recording, line: Timeline) -> dict[Node, LateGroups]:
+    """For each node, the casts autocast's cache keeps that it saved and nodes after it saved
+    too (a shared module's first call casts its weights, every later call saves the same
+    copy), grouped as ``(bytes, ends of the other savers)``. In the step without recompute
+    such a copy lives until the node's backward; with the node recomputed and none of the
+    others, it dies once the others have all run their backward: at the points after the
+    node's end and before the first start of theirs (:meth:`Item.late_freed`)."""
+    parent, depth = rec.family
+    found: dict[Node, dict[tuple[tuple[int, ...], int], int]] = defaultdict(
+        lambda: defaultdict(int)
+    )
+    for key in rec.cached_casts & rec.savers.keys():
+        size, who = rec.savers[key]
+        savers = [w for w in who if w in line.spans]
+        if len(savers) < 2:
+            continue
+        top = lowest_common(set(savers), parent, depth)
+        node: Node | None = min(savers, key=lambda w: line.spans[w][1])
+        while node is not None and node is not top:
+            outside = [line.spans[w] for w in savers if not rec.within(w, node)]
+            if outside and min(start for start, _ in outside) > line.spans[node][1]:
+                ends = tuple(sorted(end for _, end in outside))
+                found[node][ends, min(start for start, _ in outside)] += size
+            node = parent[node]
+    return {n: tuple((b, e, u) for (e, u), b in groups.items()) for n, groups in found.items()}
+
+
 def _passed_on(
     rec: Recording, line: Timeline, node: Node, key: int, takers: dict[int, list[Node]]
 ) -> bool:
@@ -314,10 +343,10 @@ def _kept_from(rec: Recording, line: Timeline, uid: int, key: int) -> int | None
     born = rec.born[uid]
     if key not in rec.dies_at:  # (not known: from when it was made)
         return line.ended_before[born]
-    died = rec.died(key, born)
-    if died is None or died >= len(line.ended_before):
+    costs = rec.costs_from(key, born)
+    if costs is None or costs >= len(line.ended_before):
         return None
-    return line.ended_before[died]
+    return line.ended_before[costs]
 
 
 def recompute_peak(rec: Recording, line: Timeline, node: Node, freed: int, kept: Storages) -> int:

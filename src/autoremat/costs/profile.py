@@ -147,7 +147,15 @@ class NodeCost:
     works that out from the plan), in any way. ``shared_inputs``: inputs in ``held`` that
     nodes ended before it began took too, ``(bytes, (start, end) of those nodes)``: not held
     again when one of them is recomputed, in any way, since its checkpoint keeps them longer
-    (:func:`autoremat.costs.inputs.shared_inputs`).
+    (:func:`autoremat.costs.inputs.shared_inputs`). ``late_casts``: such casts that nodes
+    after it saved too, ``(bytes, ends of those nodes, their first start)``: with it
+    recomputed and none of them, freed at the points after the forward from its end to
+    before that start
+    (:func:`autoremat.costs.model.late_casts`). ``alive_inputs``: inputs in ``held`` the step
+    without recompute holds anyway for a while, ``(bytes, forward until, backward above,
+    spans of earlier takers)``: unless one of those is recomputed, not held beyond it at the
+    points of the forward before the one, nor after the forward at those above the other
+    (:func:`autoremat.costs.inputs.alive_inputs`).
     """
 
     path: str
@@ -175,6 +183,8 @@ class NodeCost:
     cached: int = 0
     shared_casts: tuple[tuple[int, tuple[int, ...]], ...] = ()
     shared_inputs: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
+    late_casts: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+    alive_inputs: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...] = ()
 
     def way(self, name: str) -> WayCost:
         """The selective way called ``name``; ``KeyError`` naming the ways if none."""
@@ -429,8 +439,10 @@ class _Assembly:
         charged = inputs.charged_inputs(rec, line, freers)
         self.freed, self.charged = cost_model.freed_bytes(rec, freers, charged)
         self.shared_inputs = inputs.shared_inputs(rec, line, charged)
+        self.alive_inputs = inputs.alive_inputs(rec, line, charged)
         self.cached = cost_model.cached_bytes(rec, freers)
         self.shared = cost_model.shared_casts(rec, line)
+        self.late = cost_model.late_casts(rec, line)
         ends = {node: end for node, (_, end) in line.spans.items()}
         self.released = cost_model.released(rec, ends, line.ended_before)
         self.reads = cost_model.cast_reads_within(rec)
@@ -499,6 +511,8 @@ class _Assembly:
             cached=self.cached[node],
             shared_casts=self.shared.get(node, ()),
             shared_inputs=self.shared_inputs.get(node, ()),
+            late_casts=self.late.get(node, ()),
+            alive_inputs=self.alive_inputs.get(node, ()),
         )
         return kept
 

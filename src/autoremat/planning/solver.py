@@ -54,7 +54,12 @@ choices (the holders ended before the item began, so they are decided); states a
 merged by bytes freed and cost alone, so with recasts the answer fits but may not be the
 cheapest (a state merged away could have covered a later item's holders). The same holds for
 :attr:`Item.shared_casts`, added per state to what the item frees after the forward, and
-:attr:`Item.shared_inputs`, added per state in both phases.
+:attr:`Item.shared_inputs`, added per state in both phases. Two terms only
+:func:`predict_peak` counts, not the walk, which prices them as not freed (so its answer fits
+and its estimate may be lower than the walk's bound; a plan that fits only thanks to them can
+be missed): :attr:`Item.late_casts` (a first call's weight copy, freed once later calls that
+saved it have run their backward) and :attr:`Item.alive_inputs` (inputs the step holds anyway
+for a while, which the checkpoint's keeping costs nothing then).
 """
 
 from __future__ import annotations
@@ -126,6 +131,18 @@ class Item:
     # checkpoint keeps them until after this item's backward, so they are freed back, from
     # its end, in both phases
     shared_inputs: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
+    # such casts that nodes after it saved too (a shared module's first call casts the
+    # weights, later calls save the same copy): (bytes, ends of those nodes, their first
+    # start); with none of them chosen, freed at the points after the forward from its end
+    # to before that start (their backward has run then): only in :func:`predict_peak`, not
+    # in the walk (which prices them as not freed: an upper bound)
+    late_casts: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+    # inputs it holds (in ``held``) that the step without recompute holds anyway for a while:
+    # (bytes, forward until, backward above, spans of earlier takers); unless one of those is
+    # chosen, not held beyond that step at the points of the forward from its start and
+    # before the one, nor after the forward at those above the other: only in
+    # :func:`predict_peak`, not in the walk (an upper bound)
+    alive_inputs: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...] = ()
 
     @property
     def freed_in_forward(self) -> int:
@@ -183,6 +200,15 @@ class Item:
             return 0
         covered = _covering(chosen)
         return sum(b for b, ends in self.shared_casts if all(covered(e) for e in ends))
+
+    def late_freed(self, chosen: Sequence[Item]) -> list[tuple[int, int]]:
+        """The :attr:`late_casts` it frees when ``chosen`` are recomputed, as ``(bytes,
+        until)``: those none of whose other savers ``chosen`` covers, freed at the points ``p``
+        after the forward with ``end < p < until``."""
+        if not self.late_casts:
+            return []
+        covered = _covering(chosen)
+        return [(b, until) for b, ends, until in self.late_casts if not any(map(covered, ends))]
 
     def input_credit(self, chosen: Sequence[Item]) -> int:
         """The bytes of :attr:`shared_inputs` an earlier chosen item already holds, freed back
@@ -301,10 +327,29 @@ def predict_peak(
     credit = {id(s): s.input_credit(chosen) for s in chosen}
     freed = {id(s): s.freed + s.shared_freed(chosen) + credit[id(s)] for s in chosen}
     in_forward = {id(s): s.freed_in_forward + credit[id(s)] for s in chosen}
+    late = [(s.end, b, until) for s in chosen for b, until in s.late_freed(chosen)]
+    spans = {(c.start, c.end) for c in chosen}
+    alive = [
+        (s.start, b, until, above)
+        for s in chosen
+        for b, until, above, earlier in s.alive_inputs
+        if not any(h in spans for h in earlier)
+    ]
     return max(
         [
-            *(b - sum(freed[id(s)] for s in chosen if s.end < p) for p, b in after),
-            *(b - sum(in_forward[id(s)] for s in chosen if s.end < p) for p, b in during),
+            *(
+                b
+                - sum(freed[id(s)] for s in chosen if s.end < p)
+                - sum(size for end, size, until in late if end < p < until)
+                - sum(size for _, size, _, above in alive if above < p)
+                for p, b in after
+            ),
+            *(
+                b
+                - sum(in_forward[id(s)] for s in chosen if s.end < p)
+                - sum(size for start, size, until, _ in alive if start < p < until)
+                for p, b in during
+            ),
         ],
         default=0,
     )

@@ -8,7 +8,9 @@ saved. :func:`forward_deaths` runs the forward once more with every saved tensor
 in the order the ops made it, after which module event (start or end) it adds to no moment's
 peak: how many had happened when it died, or, when no op made a storage between the last end
 and its death, that end (what was live then bounds every moment up to the death, and that end
-sees it alive). The recorded step makes the same storages in the same order
+sees it alive); and the event whose stretch is the first in which keeping it alive would
+raise the most live bytes: the one it died in, or the next when no op made a storage between
+its death and that event. The recorded step makes the same storages in the same order
 (:func:`new_storages` names them alike), so the two line up by position.
 """
 
@@ -24,11 +26,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoremat.core.nested import iter_tensors, run_model, storage_key
 
-__all__ = ["ForwardDeaths", "deaths_by_key", "forward_deaths", "new_storages"]
+__all__ = ["Death", "ForwardDeaths", "deaths_by_key", "forward_deaths", "new_storages"]
 
 # (key, bytes) of each new storage in the order made; its position -> the index of the module
-# event after which it adds to no moment's peak
-ForwardDeaths = tuple[list[tuple[int, int]], dict[int, int]]
+# event after which it adds to no moment's peak, and of the event whose stretch is the first
+# in which keeping it alive raises the most live bytes (:class:`Death`)
+ForwardDeaths = tuple[list[tuple[int, int]], dict[int, "Death"]]
+Death = tuple[int, int]  # (gone after, costs from)
 
 
 def new_storages(seen: set[int | None], out: Any) -> dict[int, int]:
@@ -50,12 +54,17 @@ class _Deaths(TorchDispatchMode):
         super().__init__()
         self.clock = 0
         self.order: list[tuple[int, int]] = []
-        self.died: dict[int, int] = {}
+        self.died: dict[int, Death] = {}
         self.watching = True
         self._refs: list[weakref.ref[Any]] = []
         self._last_end: tuple[int, int] | None = None  # (its event index, storages made by then)
+        self._pending: list[tuple[int, int]] = []  # (position, storages made when it died)
 
     def tick(self, end: bool) -> None:
+        for index, made in self._pending:  # no op made a storage since it died: the rest of
+            if made == len(self.order):  # the stretch holds no more than its death did
+                self.died[index] = (self.died[index][0], self.clock + 1)
+        self._pending.clear()
         if end:
             self._last_end = (self.clock, len(self.order))
         self.clock += 1
@@ -74,7 +83,9 @@ class _Deaths(TorchDispatchMode):
             if not self.watching:
                 return
             quiet = self._last_end is not None and self._last_end[1] == len(self.order)
-            self.died[index] = self._last_end[0] if quiet and self._last_end else self.clock
+            gone = self._last_end[0] if quiet and self._last_end else self.clock
+            self.died[index] = (gone, self.clock)
+            self._pending.append((index, len(self.order)))
 
         return dead
 
@@ -118,16 +129,16 @@ def _never(_packed: None) -> torch.Tensor:
 
 def deaths_by_key(
     recorded: list[tuple[int, int]], made_at: dict[int, list[int]], found: ForwardDeaths
-) -> dict[int, list[tuple[int, int | None]]]:
+) -> dict[int, list[tuple[int, Death | None]]]:
     """For the recorded step's storages (``recorded``: key and bytes of each new storage, in
     order; ``made_at``: the clock of each birth per key, in order), per key each storage's
-    ``(birth clock, event after which it adds to no moment's peak)`` in the forward of
-    ``found``, ``None`` for one that lived on; empty when the two did not make the same
-    storages (by bytes, in order: the forward took another path)."""
+    ``(birth clock, death)`` in the forward of ``found`` (:data:`Death`), ``None`` for one that
+    lived on; empty when the two did not make the same storages (by bytes, in order: the
+    forward took another path)."""
     order, died = found
     if [size for _, size in recorded[: len(order)]] != [size for _, size in order]:
         return {}
-    lives: dict[int, list[tuple[int, int | None]]] = {}
+    lives: dict[int, list[tuple[int, Death | None]]] = {}
     for i, (key, _) in enumerate(recorded[: len(order)]):
         had = lives.setdefault(key, [])
         had.append((made_at[key][len(had)], died.get(i)))

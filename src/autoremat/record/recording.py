@@ -28,7 +28,12 @@ from autoremat.core.huggingface import cache_off_in_training, ordinary_positions
 from autoremat.core.nested import iter_tensors, storage_key
 from autoremat.core.progress import Progress
 from autoremat.core.selective import WAYS, keeps, resolve
-from autoremat.record.forward_liveness import deaths_by_key, forward_deaths, new_storages
+from autoremat.record.forward_liveness import (
+    Death,
+    deaths_by_key,
+    forward_deaths,
+    new_storages,
+)
 from autoremat.record.memory import CpuAllocatorMemory, LiveMemory
 from autoremat.record.snapshot import preserved
 from autoremat.record.step import Autocast, LossFn, autocast_for, leaf_inputs, train_step
@@ -119,10 +124,10 @@ class Recording:
     # whoever saved them: a checkpointed module does not free them during the forward
     cached_casts: set[int] = field(default_factory=set)
     # storage key -> for each storage with that key the forward made, in order: (the event
-    # count when it was made, the index of the event after which it adds to no moment's peak
-    # in a forward that saved nothing, as a checkpointed forward; None: it lived on)
-    # (:mod:`autoremat.record.forward_liveness`; :meth:`died`)
-    dies_at: dict[int, list[tuple[int, int | None]]] = field(default_factory=dict)
+    # count when it was made, its death in a forward that saved nothing, as a checkpointed
+    # forward: :data:`~autoremat.record.forward_liveness.Death`; None: it lived on)
+    # (:mod:`autoremat.record.forward_liveness`; :meth:`died`, :meth:`costs_from`)
+    dies_at: dict[int, list[tuple[int, Death | None]]] = field(default_factory=dict)
     # storage key -> the event count each time a storage with that key was made (a freed
     # storage's key can be reused)
     made_at: dict[int, list[int]] = field(default_factory=dict)
@@ -131,10 +136,20 @@ class Recording:
         """The event after which the storage with ``key`` made at ``born`` (``None``: the last
         with that key) adds to no moment's peak of a forward that saved nothing; ``None`` when
         it lived on, or nothing is known of it."""
+        death = self._death(key, born)
+        return death[0] if death else None
+
+    def costs_from(self, key: int, born: int | None = None) -> int | None:
+        """The event whose stretch is the first in which keeping that storage alive past its
+        death in a forward that saved nothing raises the most live bytes (:meth:`died`)."""
+        death = self._death(key, born)
+        return death[1] if death else None
+
+    def _death(self, key: int, born: int | None) -> Death | None:
         lives = self.dies_at.get(key, [])
         if born is None:
             return lives[-1][1] if lives else None
-        return next((died for made, died in lives if made == born), None)
+        return next((death for made, death in lives if made == born), None)
 
     @functools.cached_property
     def family(self) -> tuple[dict[Node, Node | None], dict[Node, int]]:
