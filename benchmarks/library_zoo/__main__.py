@@ -104,7 +104,8 @@ def _markdown(rows: list[ZooRow], calls: list[CallsCheck], seconds: float) -> st
         f"{seconds / 60:.1f} min on this machine (`make zoo`; `docs/zoo.md` explains it).",
         "Budgets as fractions of the no-recompute peak; est. error = (estimated - measured) /"
         " measured; every block = the measured peak with every block checkpointed by hand, as a"
-        " fraction. bf16 budgets are marked (memory-prediction issue), not held to.",
+        " fraction. Every plan, fp32 and bf16, must train exactly, recompute, hold its budget and"
+        " be estimated within -0.5% to +2% (mid) or +5% (lowest) of its measured peak.",
         "",
         *summary(rows, calls),
         "",
