@@ -282,6 +282,20 @@ class Item:
         return out
 
 
+def _first_copies(chosen: Sequence[Item]) -> dict[int, int]:
+    """Per chosen item (by id), the bytes of shared casts whose every saver ``chosen`` covers
+    and whose first saver it covers: the copy its forward made died with the forward, yet its
+    recompute's peak counts it twice (live when the recompute begins, and made again by it).
+    Only in :func:`predict_peak` (the walk prices it as counted: an upper bound)."""
+    covered, found = _covering(chosen), dict[int, int]()
+    for s in chosen:
+        for b, ends in s.shared_casts:
+            if ends and all(covered(e) for e in ends):
+                c = next(c for c in chosen if c.start <= min(ends) <= c.end)
+                found[id(c)] = found.get(id(c), 0) + b
+    return found
+
+
 def _covering(chosen: Sequence[Item]) -> Any:
     """Whether a node (by its ``end``) is inside one of ``chosen`` (never one inside another):
     the first chosen item ending at or after it begins at or before it."""
@@ -313,12 +327,13 @@ def predict_peak(
     its recompute and at the moments of its backward while they live
     (:meth:`Item.recast_with`)."""
     recast = {id(s): s.recast_with(chosen) for s in chosen}
+    first = _first_copies(chosen)
     after = [
         *(
             (p, b + sum(s.held_in_backward for s in chosen if s.start <= p <= s.end))
             for p, b in points
         ),
-        *((s.start, s.recompute_peak + recast[id(s)][0]) for s in chosen),
+        *((s.start, s.recompute_peak + recast[id(s)][0] - first.get(id(s), 0)) for s in chosen),
         *(m for s in chosen for m in recast[id(s)][1]),
     ]
     during = [
@@ -501,11 +516,11 @@ class _Solver:
 
     def check(self, states: list[_State], lo: int, hi: int) -> list[_State]:
         """Keep the states under budget at every point ``p`` with ``lo < p <= hi``."""
-        span = slice(max(lo + 1, 0), hi + 1)
+        span = slice(max(lo + 1, 0), hi + 1)  # (no point there: nothing to check, NONE)
         if not self.phased:
-            return self.feasible(states, max(self.need[span], default=0))
-        after = self.feasible(states, max(self.after[span], default=0))
-        return self.forward_fits(after, max(self.during[span], default=0))
+            return self.feasible(states, max(self.need[span], default=NONE))
+        after = self.feasible(states, max(self.after[span], default=NONE))
+        return self.forward_fits(after, max(self.during[span], default=NONE))
 
     def take(self, item: Item, states: list[_State]) -> list[_State]:
         """The states in which recomputing ``item`` whole fits, with it recomputed."""
