@@ -54,12 +54,13 @@ choices (the holders ended before the item began, so they are decided); states a
 merged by bytes freed and cost alone, so with recasts the answer fits but may not be the
 cheapest (a state merged away could have covered a later item's holders). The same holds for
 :attr:`Item.shared_casts`, added per state to what the item frees after the forward, and
-:attr:`Item.shared_inputs`, added per state in both phases. Two terms only
+:attr:`Item.shared_inputs`, added per state in both phases. Three terms only
 :func:`predict_peak` counts, not the walk, which prices them as not freed (so its answer fits
 and its estimate may be lower than the walk's bound; a plan that fits only thanks to them can
 be missed): :attr:`Item.late_casts` (a first call's weight copy, freed once later calls that
-saved it have run their backward) and :attr:`Item.alive_inputs` (inputs the step holds anyway
-for a while, which the checkpoint's keeping costs nothing then).
+saved it have run their backward), :attr:`Item.alive_inputs` (inputs the step holds anyway
+for a while, which the checkpoint's keeping costs nothing then) and a shared cast's first copy
+at the first call's recompute when every call is recomputed (:func:`_first_copies`).
 """
 
 from __future__ import annotations
