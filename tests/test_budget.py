@@ -510,21 +510,6 @@ def test_a_stretch_without_points_checks_nothing() -> None:
     assert solve(root, ((1, 1),), 0) == [way]
 
 
-def test_a_first_copy_is_not_counted_twice_at_the_first_calls_recompute() -> None:
-    """With every call of a shared module recomputed, the weight copy the first call's
-    forward made died with the forward: its recompute, which makes it again, begins without it
-    (ALBERT's lowest plan, all six calls recomputed, was 6.1% over: now 1.4%)."""
-    calls = [
-        Item(f"c@{k}", start=k, end=k, freed=10, flops=1, cached=4,
-             recompute_peak=95 if k == 0 else 0,
-             shared_casts=((6, tuple(range(k))),) if k == 2 else ())
-        for k in range(3)
-    ]  # fmt: skip
-    after, forward = ((3, 100),), ((3, 90),)
-    assert predict_peak(after, calls, forward) == max(100 - 30 - 6, 90 - 18, 95 - 6)
-    assert predict_peak(after, calls[:2], forward) == max(100 - 20, 90 - 12, 95)
-
-
 def test_a_late_cast_is_freed_between_the_first_call_and_the_others_backward() -> None:
     """A first call's weight copy that a later call (node 2) saves too: with the first call
     recomputed and not the later one, freed at the points after the forward above the

@@ -54,13 +54,12 @@ choices (the holders ended before the item began, so they are decided); states a
 merged by bytes freed and cost alone, so with recasts the answer fits but may not be the
 cheapest (a state merged away could have covered a later item's holders). The same holds for
 :attr:`Item.shared_casts`, added per state to what the item frees after the forward, and
-:attr:`Item.shared_inputs`, added per state in both phases. Three terms only
+:attr:`Item.shared_inputs`, added per state in both phases. Two terms only
 :func:`predict_peak` counts, not the walk, which prices them as not freed (so its answer fits
 and its estimate may be lower than the walk's bound; a plan that fits only thanks to them can
 be missed): :attr:`Item.late_casts` (a first call's weight copy, freed once later calls that
-saved it have run their backward), :attr:`Item.alive_inputs` (inputs the step holds anyway
-for a while, which the checkpoint's keeping costs nothing then) and a shared cast's first copy
-at the first call's recompute when every call is recomputed (:func:`_first_copies`).
+saved it have run their backward) and :attr:`Item.alive_inputs` (inputs the step holds anyway
+for a while, which the checkpoint's keeping costs nothing then).
 """
 
 from __future__ import annotations
@@ -283,20 +282,6 @@ class Item:
         return out
 
 
-def _first_copies(chosen: Sequence[Item]) -> dict[int, int]:
-    """Per chosen item (by id), the bytes of shared casts whose every saver ``chosen`` covers
-    and whose first saver it covers: the copy its forward made died with the forward, yet its
-    recompute's peak counts it twice (live when the recompute begins, and made again by it).
-    Only in :func:`predict_peak` (the walk prices it as counted: an upper bound)."""
-    covered, found = _covering(chosen), dict[int, int]()
-    for s in chosen:
-        for b, ends in s.shared_casts:
-            if ends and all(covered(e) for e in ends):
-                c = next(c for c in chosen if c.start <= min(ends) <= c.end)
-                found[id(c)] = found.get(id(c), 0) + b
-    return found
-
-
 def _covering(chosen: Sequence[Item]) -> Any:
     """Whether a node (by its ``end``) is inside one of ``chosen`` (never one inside another):
     the first chosen item ending at or after it begins at or before it."""
@@ -328,13 +313,12 @@ def predict_peak(
     its recompute and at the moments of its backward while they live
     (:meth:`Item.recast_with`)."""
     recast = {id(s): s.recast_with(chosen) for s in chosen}
-    first = _first_copies(chosen)
     after = [
         *(
             (p, b + sum(s.held_in_backward for s in chosen if s.start <= p <= s.end))
             for p, b in points
         ),
-        *((s.start, s.recompute_peak + recast[id(s)][0] - first.get(id(s), 0)) for s in chosen),
+        *((s.start, s.recompute_peak + recast[id(s)][0]) for s in chosen),
         *(m for s in chosen for m in recast[id(s)][1]),
     ]
     during = [
