@@ -185,6 +185,27 @@ def _chosen(prof: autoremat.Profile, entries: list[str]) -> list:
     return [items[e] for e in entries]
 
 
+def _measured(
+    model: nn.Module,
+    args: tuple,
+    entries: list[str],
+    kwargs: dict | None = None,
+    autocast: tuple | None = None,
+    selective: dict | None = None,
+) -> int:
+    """The measured step peak with ``entries`` recomputed (``selective``: their ways), each
+    proved recomputed; the model put back."""
+    autoremat.wrap.apply(model, entries, selective=selective or ())
+    try:
+        peak = autoremat.measure(model, args, kwargs, autocast=autocast).peak
+        with RecomputeCounter() as seen:
+            autoremat.measure(model, args, kwargs, autocast=autocast)
+    finally:
+        autoremat.remove(model)
+    assert not seen.missing(entries)
+    return peak
+
+
 def _check(model: nn.Module, entries: list[str], slack: int = 0) -> autoremat.Profile:
     """The prediction for ``entries`` equals the measured peak (over by at most ``slack``),
     and each was recomputed."""
@@ -192,14 +213,7 @@ def _check(model: nn.Module, entries: list[str], slack: int = 0) -> autoremat.Pr
     x = torch.randn(ROWS, D)
     prof = autoremat.profile(model, (x,))
     predicted = predict_peak(prof.backward_points, _chosen(prof, entries), prof.forward_points)
-    autoremat.wrap.apply(model, entries)
-    try:
-        measured = autoremat.measure(model, (x,)).peak
-        with RecomputeCounter() as seen:
-            autoremat.measure(model, (x,))
-    finally:
-        autoremat.remove(model)
-    assert not seen.missing(entries)
+    measured = _measured(model, (x,), entries)
     assert 0 <= predicted - measured <= slack, (entries, predicted - measured)
     return prof
 
@@ -296,15 +310,13 @@ def test_a_kept_output_is_charged_only_from_when_the_step_would_let_it_go():
     assert way.held == 0 and all(b < 0 for p, b in way.held_from if p <= end)
     assert [p for p, b in way.held_from if b > 0] == [end + 1]
     predicted = predict_peak(prof.backward_points, [way], prof.forward_points)
-    autoremat.wrap.apply(model, ["block"], selective={"block": WAYS["selective"]})
+    selective = {"block": WAYS["selective"]}
+    assert _measured(model, (x,), ["block"], selective=selective) == predicted
+    autoremat.wrap.apply(model, ["block"], selective=selective)
     try:
-        measured = autoremat.measure(model, (x,)).peak
         moments = forward_moments(model, x)
-        with RecomputeCounter() as seen:
-            autoremat.measure(model, (x,))
     finally:
         autoremat.remove(model)
-    assert not seen.missing(["block"]) and predicted == measured
     for p, b in prof.forward_points:
         inside = way.held_at(p) if way.start < p <= way.end else 0
         assert moments[p] <= b + inside - (way.freed_in_forward if way.end < p else 0), p
@@ -324,14 +336,7 @@ def test_an_input_the_step_holds_anyway_costs_nothing_while_it_does(entries, pre
     chosen = _chosen(prof, entries)
     assert all(c.alive_inputs for c in chosen)
     predicted = predict_peak(prof.backward_points, chosen, prof.forward_points)
-    autoremat.wrap.apply(model, entries)
-    try:
-        measured = autoremat.measure(model, (x,), autocast=autocast).peak
-        with RecomputeCounter() as seen:
-            autoremat.measure(model, (x,), autocast=autocast)
-    finally:
-        autoremat.remove(model)
-    assert not seen.missing(entries) and predicted == measured
+    assert _measured(model, (x,), entries, autocast=autocast) == predicted
 
 
 def test_a_first_calls_weight_copy_goes_once_the_later_calls_backward_has_run():
@@ -349,11 +354,4 @@ def test_a_first_calls_weight_copy_goes_once_the_later_calls_backward_has_run():
     chosen = _chosen(prof, entries)
     assert chosen[0].late_casts
     predicted = predict_peak(prof.backward_points, chosen, prof.forward_points)
-    autoremat.wrap.apply(model, entries)
-    try:
-        measured = autoremat.measure(model, args, kwargs, autocast=autocast).peak
-        with RecomputeCounter() as seen:
-            autoremat.measure(model, args, kwargs, autocast=autocast)
-    finally:
-        autoremat.remove(model)
-    assert not seen.missing(entries) and predicted == measured
+    assert _measured(model, args, entries, kwargs, autocast=autocast) == predicted

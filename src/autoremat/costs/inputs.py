@@ -72,24 +72,31 @@ def shared_inputs(
     for n, keys in charged.items():
         if n not in line.spans:
             continue
-        begin = line.spans[n][0]
         groups: dict[tuple[tuple[int, int], ...], int] = defaultdict(int)
-        here = line.events[n][0]
         for key, size in keys.items():
-            holders = tuple(
-                sorted(
-                    line.spans[c]
-                    for c in takers[key]
-                    if c in line.spans
-                    and line.spans[c][1] < begin
-                    and same_storage(rec, key, line.events[c][0], here)
-                )
-            )
+            holders = _earlier_takers(rec, line, takers[key], n, key)
             if holders:
                 groups[holders] += size
         if groups:
             found[n] = tuple((b, h) for h, b in groups.items())
     return found
+
+
+def _earlier_takers(
+    rec: Recording, line: Timeline, takers: list[Node], n: Node, key: int
+) -> tuple[tuple[int, int], ...]:
+    """The spans of the ``takers`` of input ``key`` of ``n`` that ended before ``n`` began,
+    taking that very storage (a freed storage's key is reused), in order."""
+    begin, here = line.spans[n][0], line.events[n][0]
+    return tuple(
+        sorted(
+            line.spans[c]
+            for c in takers
+            if c in line.spans
+            and line.spans[c][1] < begin
+            and same_storage(rec, key, line.events[c][0], here)
+        )
+    )
 
 
 def alive_inputs(
@@ -110,22 +117,11 @@ def alive_inputs(
     for n, keys in charged.items():
         if n not in line.spans:
             continue
-        begin, here = line.spans[n][0], line.events[n][0]
         groups: dict[tuple[int, int, tuple[tuple[int, int], ...]], int] = defaultdict(int)
         for key, size in keys.items():
             alive = _alive(rec, line, n, key)
-            if alive is None:
-                continue
-            earlier = tuple(
-                sorted(
-                    line.spans[c]
-                    for c in takers[key]
-                    if c in line.spans
-                    and line.spans[c][1] < begin
-                    and same_storage(rec, key, line.events[c][0], here)
-                )
-            )
-            groups[(*alive, earlier)] += size
+            if alive is not None:
+                groups[(*alive, _earlier_takers(rec, line, takers[key], n, key))] += size
         if groups:
             found[n] = tuple((b, u, a, h) for (u, a, h), b in sorted(groups.items()))
     return found

@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -173,6 +173,19 @@ def cached_bytes(rec: Recording, freers: dict[int, list[Node]]) -> dict[Node, in
     return found
 
 
+def _shared_cached_casts(
+    rec: Recording, line: Timeline
+) -> Iterator[tuple[int, list[Node], Node | None]]:
+    """The casts autocast's cache keeps that two nodes or more saved: their bytes, those
+    savers and the savers' lowest common ancestor."""
+    parent, depth = rec.family
+    for key in rec.cached_casts & rec.savers.keys():
+        size, who = rec.savers[key]
+        savers = [w for w in who if w in line.spans]
+        if len(savers) >= 2:
+            yield size, savers, lowest_common(set(savers), parent, depth)
+
+
 def shared_casts(rec: Recording, line: Timeline) -> dict[Node, Groups]:
     """For each node, the casts autocast's cache keeps that it and nodes before it saved (a
     shared module's weights, cast by its first call and saved by every call), grouped as
@@ -180,14 +193,9 @@ def shared_casts(rec: Recording, line: Timeline) -> dict[Node, Groups]:
     ancestor (:func:`freed_bytes`), such a cast dies when the forward ends if every saver is
     recomputed: the node whose subtree holds the last saver (and not all) frees it then,
     from its end, once the others (all ended before it began) are recomputed too."""
-    parent, depth = rec.family
+    parent = rec.family[0]
     found: dict[Node, dict[tuple[int, ...], int]] = defaultdict(lambda: defaultdict(int))
-    for key in rec.cached_casts & rec.savers.keys():
-        size, who = rec.savers[key]
-        savers = [w for w in who if w in line.spans]
-        if len(savers) < 2:
-            continue
-        top = lowest_common(set(savers), parent, depth)
+    for size, savers, top in _shared_cached_casts(rec, line):
         node: Node | None = max(savers, key=lambda w: line.spans[w][1])
         while node is not None and node is not top:
             others = tuple(sorted(line.spans[w][1] for w in savers if not rec.within(w, node)))
@@ -203,16 +211,11 @@ def late_casts(rec: Recording, line: Timeline) -> dict[Node, LateGroups]:
     such a copy lives until the node's backward; with the node recomputed and none of the
     others, it dies once the others have all run their backward: at the points after the
     node's end and before the first start of theirs (:meth:`Item.late_freed`)."""
-    parent, depth = rec.family
+    parent = rec.family[0]
     found: dict[Node, dict[tuple[tuple[int, ...], int], int]] = defaultdict(
         lambda: defaultdict(int)
     )
-    for key in rec.cached_casts & rec.savers.keys():
-        size, who = rec.savers[key]
-        savers = [w for w in who if w in line.spans]
-        if len(savers) < 2:
-            continue
-        top = lowest_common(set(savers), parent, depth)
+    for size, savers, top in _shared_cached_casts(rec, line):
         node: Node | None = min(savers, key=lambda w: line.spans[w][1])
         while node is not None and node is not top:
             outside = [line.spans[w] for w in savers if not rec.within(w, node)]

@@ -134,14 +134,12 @@ class Item:
     # such casts that nodes after it saved too (a shared module's first call casts the
     # weights, later calls save the same copy): (bytes, ends of those nodes, their first
     # start); with none of them chosen, freed at the points after the forward from its end
-    # to before that start (their backward has run then): only in :func:`predict_peak`, not
-    # in the walk (which prices them as not freed: an upper bound)
+    # to before that start (their backward has run then); in :func:`predict_peak` only
     late_casts: tuple[tuple[int, tuple[int, ...], int], ...] = ()
     # inputs it holds (in ``held``) that the step without recompute holds anyway for a while:
     # (bytes, forward until, backward above, spans of earlier takers); unless one of those is
     # chosen, not held beyond that step at the points of the forward from its start and
-    # before the one, nor after the forward at those above the other: only in
-    # :func:`predict_peak`, not in the walk (an upper bound)
+    # before the one, nor after the forward at those above the other; in predict_peak only
     alive_inputs: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...] = ()
 
     @property
