@@ -35,6 +35,7 @@ from autoremat.planning.solver import (
     FLOPS_PER_SECOND,
     Infeasible,
     Item,
+    _late,
     min_peak,
     predict_peak,
     solve,
@@ -122,6 +123,13 @@ def options_of(root: Item) -> dict[str, tuple[Item, frozenset[str]]]:
                 covered = frozenset().union(*(subtree(c) for c in node.children[i:j]))
                 found[run.path] = (run, covered)
     return found
+
+
+def kept_st(start: int, end: int) -> st.SearchStrategy[tuple[tuple[int, int], ...]]:
+    """:attr:`Item.kept_inputs`: bytes more at some points of the span in backward."""
+    return st.dictionaries(st.integers(start, end), st.integers(0, 20), max_size=2).map(
+        lambda d: tuple(sorted(d.items()))
+    )
 
 
 def recasts_st(start: int, end: int) -> st.SearchStrategy[tuple[Any, Any]]:
@@ -232,6 +240,7 @@ def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False, shared: boo
         casts = draw(shared_st(start)) if shared else ()
         inputs = draw(shared_inputs_st([h for h in built if h[1] < start])) if shared else ()
         built.append((start, end))
+        kept = draw(kept_st(start, end))
         options = tuple(
             Item(
                 path=f"n{i}",
@@ -250,6 +259,7 @@ def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False, shared: boo
                 recast_moments=moments,
                 shared_casts=casts,
                 shared_inputs=inputs,
+                kept_inputs=kept,
             )
             for mode in draw(st.sampled_from([(), ("selective",), ("selective", "selective-bmm")]))
         )
@@ -273,6 +283,7 @@ def cases(draw: st.DrawFn, max_nodes: int = 9, recast: bool = False, shared: boo
             recast_moments=moments,
             shared_casts=casts,
             shared_inputs=inputs,
+            kept_inputs=kept,
         )
 
     root = build(0)
@@ -513,18 +524,57 @@ def test_a_stretch_without_points_checks_nothing() -> None:
 def test_a_late_cast_is_freed_between_the_first_call_and_the_others_backward() -> None:
     """A first call's weight copy that a later call (node 2) saves too: with the first call
     recomputed and not the later one, freed at the points after the forward above the
-    first call's end and below the later call's start (its backward has run); not when the
-    later call is recomputed too, and never in the forward. The walk prices it as not freed
+    first call's end and below the later call's start (its backward has run); with both
+    recomputed, nothing holds it after the forward, but at the later call's own points its
+    recompute's copy stands for it; never in the forward. The walk prices it as not freed
     (an upper bound): its answer fits all the same."""
-    first = Item("c@0", start=0, end=0, freed=10, flops=1, late_casts=((6, (2,), 2),))
+    first = Item("c@0", start=0, end=0, freed=10, flops=1,
+                 late_casts=((6, ((2, 2),), ((),), False),))  # fmt: skip
     middle = Item("m", start=1, end=1, freed=1, flops=5)
     later = Item("c@1", start=2, end=2, freed=10, flops=1)
     root = Item("r", start=0, end=3, freed=0, flops=0, children=(first, middle, later))
     after, forward = ((1, 100), (2, 80), (3, 80)), ((1, 95),)
     assert predict_peak(after, [first], forward) == max(100 - 10 - 6, 80 - 10, 95 - 10)
-    assert predict_peak(after, [first, later], forward) == max(100 - 10, 80 - 20, 95 - 10)
+    assert predict_peak(after, [first, later], forward) == max(100 - 10 - 6, 80 - 20, 95 - 10)
     chosen = solve(root, after, 90, forward)
     assert predict_peak(after, chosen, forward) <= 90
+
+
+def test_a_late_cast_goes_inside_a_later_savers_span_once_its_grad_fns_used_it() -> None:
+    """Calls 1..3 save the copy call 0 made. With calls 0 and 1 recomputed and 2 not, the copy
+    is gone at call 1's point where its grad_fns have used their own copy (the credit, 5 of
+    6 there), and at call 2's once its grad_fns have used it (credit 4); not at call 3's
+    (its backward comes first, the copy still held). With call 2 recomputed too, call 3 is the
+    first not recomputed and call 2's point gets its credit instead. A point two credits
+    share takes the larger off once, not both."""
+    spans = ((2, 2), (4, 4), (6, 6))
+    credits = (((2, 5),), ((4, 4),), ((6, 3),))
+    calls = [
+        Item(f"c@{k}", start=2 * k, end=2 * k, freed=10, flops=1,
+             late_casts=((6, spans, credits, False),) if k == 0 else ())
+        for k in range(4)
+    ]  # fmt: skip
+    after = ((1, 100), (2, 100), (3, 100), (4, 100), (5, 100), (6, 100))
+    # call 0 and 1: the odd points up to 3 whole (6), point 2 its credit, point 4 call 2's
+    expected = [100 - 10 - 6, 100 - 10 - 5, 100 - 20 - 6, 100 - 20 - 4, 100 - 20, 100 - 20]
+    assert predict_peak(after, calls[:2], ()) == max(expected)
+    assert _late(calls[:2]).points == {2: 5, 4: 4}
+    assert _late(calls[:3]).points == {2: 5, 4: 4, 6: 3}
+    other = Item("o", start=4, end=4, freed=0, flops=0,
+                 late_casts=((6, ((6, 6),), (((2, 3), (4, 5)),), False),))  # fmt: skip
+    assert _late([calls[0], other]).points == {2: 5, 4: 5}
+
+
+def test_a_first_calls_recompute_counts_the_copy_it_makes_again_once() -> None:
+    """The node that made a copy later calls save makes it again in its recompute, when the
+    first is gone whatever else is chosen: its recompute's peak, which counts the first copy
+    live when it begins, counts it once less; not when another node made it."""
+    made = Item("c@0", start=0, end=0, freed=10, flops=1, recompute_peak=95,
+                late_casts=((6, ((2, 2),), ((),), True),))  # fmt: skip
+    read = dataclasses.replace(made, late_casts=((6, ((2, 2),), ((),), False),))
+    after = ((1, 50), (2, 50))
+    assert predict_peak(after, [made]) == 95 - 6
+    assert predict_peak(after, [read]) == 95
 
 
 def test_an_input_the_step_holds_anyway_is_credited_while_it_does() -> None:

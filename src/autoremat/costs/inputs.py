@@ -9,7 +9,9 @@ charged once when one of them is recomputed (:func:`shared_inputs`: Falcon's att
 MLP both take one LayerNorm's output). An input the step holds anyway for a while is charged
 only when it would be gone (:func:`alive_inputs`): one a node after it saves (a LoRA layer's
 input, which its frozen base layer does not save and its ``lora_A`` does), one nothing saves
-until the code lets it go. Pure functions over a recording and its timeline, as
+until the code lets it go. An input saved inside the node is charged in the node's backward,
+once the grad_fns that saved it have run (:func:`kept_inputs`: an LSTM cell's previous cell
+state). Pure functions over a recording and its timeline, as
 :mod:`autoremat.costs.model`.
 """
 
@@ -17,17 +19,21 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from autoremat.costs.timeline import Timeline
+from autoremat.costs.timeline import Timeline, backward_stretches
 from autoremat.record.recording import Recording
 from autoremat.record.tree import Node
 
 __all__ = [
     "NEVER",
+    "Released",
     "Spans",
     "alive_inputs",
     "alive_until_after",
     "charged_inputs",
     "consumers",
+    "kept_at",
+    "kept_inputs",
+    "released_inputs",
     "same_storage",
     "shared_inputs",
 ]
@@ -183,3 +189,88 @@ def same_storage(rec: Recording, key: int, since: int, until: int) -> bool:
     if since < 0:
         return bool(made) and made[-1] <= until
     return not any(since < c <= until for c in made)
+
+
+Released = tuple[tuple[tuple[int, int], ...], int]  # ((event, bytes) of each input, done)
+
+
+def released_inputs(rec: Recording, line: Timeline) -> dict[Node, Released]:
+    """For each node, the inputs saved inside it that the step without recompute frees
+    part-way through its backward, ``(event, bytes)``: the last grad_fn inside it that saved
+    one has run by that event (:attr:`Recording.input_unpacks`; an LSTM cell's previous cell
+    state, which its forget gate's product saves: that grad_fn runs first); and the event by
+    which every grad_fn of the node that saved anything has run (:attr:`Recording.used_by`):
+    until then a checkpoint of it keeps its inputs. Not an input a node outside saved too
+    that is not after it (it holds it longer), nor one the model returns."""
+    done = _done(rec)
+    found = {}
+    for n in line.spans:
+        gone = tuple(
+            (used, size)
+            for key, size in rec.input_keys[n].items()
+            if (used := _last_use(rec, line, n, key)) is not None and used < done[n]
+        )
+        if gone:
+            found[n] = (gone, done[n])
+    return found
+
+
+def kept_at(released: Released, event: int) -> int:
+    """The bytes a checkpoint holds beyond the step without recompute in the stretch of its
+    backward that ends with ``event`` (:func:`released_inputs`)."""
+    gone, done = released
+    return sum(size for e, size in gone if e < event <= done)
+
+
+def kept_inputs(
+    rec: Recording, line: Timeline, released: dict[Node, Released]
+) -> dict[Node, tuple[tuple[int, int], ...]]:
+    """For each node, ``(point, bytes)``: how much more than the step without recompute its
+    checkpoint holds at the points of its backward by keeping its ``released`` inputs
+    (:func:`released_inputs`) to its end: the most of any stretch there, less the step's."""
+    stretches = backward_stretches(rec.events, line)
+    found = {}
+    for n, inputs in released.items():
+        start, end = line.spans[n]
+        first = min(e for e, _ in inputs[0])
+        extra = []
+        for p in range(start, end + 1):
+            here = stretches.get(p, [])
+            if not any(first < j <= inputs[1] for j, _ in here):
+                continue  # (zeros kept: a profile scaled in the batch needs the same entries)
+            most = max(b for _, b in here)
+            extra.append((p, max(b + kept_at(inputs, j) for j, b in here) - most))
+        if extra:
+            found[n] = tuple(extra)
+    return found
+
+
+def _done(rec: Recording) -> dict[Node, int]:
+    """For each node, the event after which every grad_fn inside it that saved something has
+    run (-1: none did)."""
+    found: dict[Node, int] = {}
+
+    def visit(n: Node) -> int:
+        found[n] = max([rec.used_by.get(n, -1), *(visit(c) for c in n.children)])
+        return found[n]
+
+    visit(rec.tree)
+    return found
+
+
+def _last_use(rec: Recording, line: Timeline, n: Node, key: int) -> int | None:
+    """The event after which the step frees input ``key`` of ``n`` in ``n``'s backward: when
+    the last grad_fn inside ``n`` that saved it has run (``None``: it is not so freed, or
+    that is not known)."""
+    if key not in rec.savers or key in rec.output_keys[rec.tree]:
+        return None
+    inside = [s for s in rec.savers[key][1] if rec.within(s, n)]
+    outside_after = all(
+        s in line.spans and line.spans[s][0] > line.spans[n][1]
+        for s in rec.savers[key][1]
+        if not rec.within(s, n)
+    )
+    used = [rec.input_unpacks.get((s, key)) for s in inside]
+    if not inside or not outside_after or None in used:
+        return None
+    return max(used)  # type: ignore[type-var]

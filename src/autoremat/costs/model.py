@@ -35,13 +35,15 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from autoremat.costs.inputs import alive_until_after, consumers
-from autoremat.costs.timeline import Timeline
+from autoremat.costs.inputs import Released, alive_until_after, consumers, kept_at
+from autoremat.costs.timeline import Timeline, backward_stretches
 from autoremat.record.recording import Recording
 from autoremat.record.tree import Node
 
 __all__ = [
     "MAX_RUN",
+    "LateGroup",
+    "LateGroups",
     "Recast",
     "Run",
     "Storages",
@@ -70,7 +72,11 @@ Reads = dict[int, tuple[int, Node]]  # cast storage key -> (bytes, the node that
 
 
 Groups = tuple[tuple[int, tuple[int, ...]], ...]
-LateGroups = tuple[tuple[int, tuple[int, ...], int], ...]  # (bytes, ends, first start)
+# (bytes, (start, end) of the later savers by end, per later saver the (point, bytes) the
+# step's most live bytes there fall by once its grad_fns have used the copy, whether the
+# node's recompute makes the copy again): :func:`late_casts`
+LateGroup = tuple[int, tuple[tuple[int, int], ...], tuple[tuple[tuple[int, int], ...], ...], bool]
+LateGroups = tuple[LateGroup, ...]
 Moments = tuple[tuple[int, int, tuple[int, ...]], ...]
 
 
@@ -175,15 +181,15 @@ def cached_bytes(rec: Recording, freers: dict[int, list[Node]]) -> dict[Node, in
 
 def _shared_cached_casts(
     rec: Recording, line: Timeline
-) -> Iterator[tuple[int, list[Node], Node | None]]:
-    """The casts autocast's cache keeps that two nodes or more saved: their bytes, those
-    savers and the savers' lowest common ancestor."""
+) -> Iterator[tuple[int, int, list[Node], Node | None]]:
+    """The casts autocast's cache keeps that two nodes or more saved: their storage keys and
+    bytes, those savers (by end) and the savers' lowest common ancestor; in key order."""
     parent, depth = rec.family
-    for key in rec.cached_casts & rec.savers.keys():
+    for key in sorted(rec.cached_casts & rec.savers.keys()):
         size, who = rec.savers[key]
-        savers = [w for w in who if w in line.spans]
+        savers = sorted((w for w in who if w in line.spans), key=lambda w: line.spans[w][1])
         if len(savers) >= 2:
-            yield size, savers, lowest_common(set(savers), parent, depth)
+            yield key, size, savers, lowest_common(set(savers), parent, depth)
 
 
 def shared_casts(rec: Recording, line: Timeline) -> dict[Node, Groups]:
@@ -195,8 +201,8 @@ def shared_casts(rec: Recording, line: Timeline) -> dict[Node, Groups]:
     from its end, once the others (all ended before it began) are recomputed too."""
     parent = rec.family[0]
     found: dict[Node, dict[tuple[int, ...], int]] = defaultdict(lambda: defaultdict(int))
-    for size, savers, top in _shared_cached_casts(rec, line):
-        node: Node | None = max(savers, key=lambda w: line.spans[w][1])
+    for _, size, savers, top in _shared_cached_casts(rec, line):
+        node: Node | None = savers[-1]
         while node is not None and node is not top:
             others = tuple(sorted(line.spans[w][1] for w in savers if not rec.within(w, node)))
             found[node][others] += size
@@ -207,23 +213,75 @@ def shared_casts(rec: Recording, line: Timeline) -> dict[Node, Groups]:
 def late_casts(rec: Recording, line: Timeline) -> dict[Node, LateGroups]:
     """For each node, the casts autocast's cache keeps that it saved and nodes after it saved
     too (a shared module's first call casts its weights, every later call saves the same
-    copy), grouped as ``(bytes, ends of the other savers)``. In the step without recompute
-    such a copy lives until the node's backward; with the node recomputed and none of the
-    others, it dies once the others have all run their backward: at the points after the
-    node's end and before the first start of theirs (:meth:`Item.late_freed`)."""
+    copy), grouped by those later savers as :data:`LateGroup`.
+
+    In the step without recompute such a copy lives until the node's backward. With the node
+    recomputed it dies once every later saver that is not recomputed has run the grad_fns that
+    used it (a recomputed one uses its recompute's own copy): at the points after the node's
+    end and before the first such saver's start, and inside a later saver's span in the
+    stretches after those grad_fns ran (``credits``; :meth:`Item.late_freed`). Its recompute
+    makes the copy again when the node made it (``remade``), while the step's figure there
+    still counts the first one."""
     parent = rec.family[0]
-    found: dict[Node, dict[tuple[tuple[int, ...], int], int]] = defaultdict(
-        lambda: defaultdict(int)
+    groups: dict[Node, dict[tuple[tuple[Node, ...], bool], list[int]]] = defaultdict(
+        lambda: defaultdict(list)
     )
-    for size, savers, top in _shared_cached_casts(rec, line):
-        node: Node | None = min(savers, key=lambda w: line.spans[w][1])
+    makers = _cast_makers(rec)
+    for key, _, savers, top in _shared_cached_casts(rec, line):
+        node: Node | None = savers[0]
         while node is not None and node is not top:
-            outside = [line.spans[w] for w in savers if not rec.within(w, node)]
-            if outside and min(start for start, _ in outside) > line.spans[node][1]:
-                ends = tuple(sorted(end for _, end in outside))
-                found[node][ends, min(start for start, _ in outside)] += size
+            later = tuple(w for w in savers if not rec.within(w, node))
+            if later and min(line.spans[w][0] for w in later) > line.spans[node][1]:
+                remade = key in makers and rec.within(makers[key], node)
+                groups[node][later, remade].append(key)
             node = parent[node]
-    return {n: tuple((b, e, u) for (e, u), b in groups.items()) for n, groups in found.items()}
+    stretches = backward_stretches(rec.events, line)
+    return {
+        n: tuple(_late_group(rec, line, stretches, later, keys, remade)
+                 for (later, remade), keys in found.items())
+        for n, found in groups.items()
+    }  # fmt: skip
+
+
+def _cast_makers(rec: Recording) -> dict[int, Node]:
+    """The node whose op made each cast another node read (:attr:`Recording.cast_reads`)."""
+    return {key: maker for reads in rec.cast_reads.values() for key, (_, maker) in reads.items()}
+
+
+def _late_group(
+    rec: Recording,
+    line: Timeline,
+    stretches: dict[int, list[tuple[int, int]]],
+    later: tuple[Node, ...],
+    keys: list[int],
+    remade: bool,
+) -> LateGroup:
+    """One :data:`LateGroup`: the casts ``keys`` that the nodes ``later`` saved too."""
+    size = sum(rec.savers[k][0] for k in keys)
+    credits = []
+    for saver in later:
+        used = [rec.cast_unpacks.get((saver, k)) for k in keys]
+        last = None if None in used else max(used)  # type: ignore[type-var]
+        credits.append(_credits(stretches, line.spans[saver], last, size))
+    return size, tuple(line.spans[w] for w in later), tuple(credits), remade
+
+
+def _credits(
+    stretches: dict[int, list[tuple[int, int]]], span: tuple[int, int], last: int | None, size: int
+) -> tuple[tuple[int, int], ...]:
+    """At each point of ``span`` after the forward, how much lower its most live bytes are
+    with ``size`` bytes gone from the stretches after event ``last`` (``None``: unknown)."""
+    if last is None:
+        return ()
+    found = []
+    for p in range(span[0], span[1] + 1):
+        before = max((b for j, b in stretches.get(p, ()) if j <= last), default=None)
+        after = max((b for j, b in stretches.get(p, ()) if j > last), default=None)
+        if after is None:
+            continue
+        most = after if before is None else max(before, after)
+        found.append((p, most - (after - size if before is None else max(before, after - size))))
+    return tuple(found)  # (zeros kept: a profile scaled in the batch needs the same entries)
 
 
 def _passed_on(
@@ -389,7 +447,12 @@ def cast_reads_within(rec: Recording) -> dict[Node, Reads]:
     return found
 
 
-def recasts(rec: Recording, line: Timeline, reads: dict[Node, Reads]) -> dict[Node, Recast]:
+def recasts(
+    rec: Recording,
+    line: Timeline,
+    reads: dict[Node, Reads],
+    released: dict[Node, Released] | None = None,
+) -> dict[Node, Recast]:
     """What each node's recompute casts again, beyond what the step without recompute holds.
 
     Autocast casts a weight once per forward (its cast cache) and the first node to use it
@@ -399,7 +462,8 @@ def recasts(rec: Recording, line: Timeline, reads: dict[Node, Reads]) -> dict[No
     then while a node that saved it and ended before this node began (a *holder*; its
     backward comes later) or one inside it has what it saved: the new copy costs its bytes
     more unless every holder is recomputed too (then the first copy is gone), and always when
-    neither kind of saver exists.
+    neither kind of saver exists. The moments count the inputs a checkpoint of the node keeps
+    longer than the step (``released``: :func:`autoremat.costs.inputs.released_inputs`).
     """
     found = {}
     for node, keys in reads.items():
@@ -415,16 +479,20 @@ def recasts(rec: Recording, line: Timeline, reads: dict[Node, Reads]) -> dict[No
                 group_of[key] = holders
         order = list(groups)
         index = {key: order.index(h) for key, h in group_of.items()}
+        kept = (released or {}).get(node)
         found[node] = Recast(
-            tuple((groups[h], h) for h in order), _recast_moments(rec, line, node, index)
+            tuple((groups[h], h) for h in order), _recast_moments(rec, line, node, index, kept)
         )
     return found
 
 
-def _recast_moments(rec: Recording, line: Timeline, node: Node, group: dict[int, int]) -> Moments:
+def _recast_moments(
+    rec: Recording, line: Timeline, node: Node, group: dict[int, int], kept: Released | None
+) -> Moments:
     """The stretches of ``node``'s backward while the copies its recompute cast again live
     (:class:`Recast` ``moments``): from when backward first used what it saved until the
-    last grad_fn that used one of them has run (then it lets them go)."""
+    last grad_fn that used one of them has run (then it lets them go), with the inputs its
+    checkpoint keeps longer than the step (``kept``)."""
     first = rec.unpack_events.get(node)
     used: dict[int, int] = {}  # cast key -> the event ending the last stretch that held it
     for (saver, key), i in rec.cast_unpacks.items():
@@ -433,14 +501,13 @@ def _recast_moments(rec: Recording, line: Timeline, node: Node, group: dict[int,
     if first is None or not used:
         return ()
     last = min(max(used.values()), len(rec.events) - 1)
-    return tuple(
-        (
-            line.point_at[j],
-            rec.events[j][2],
-            tuple(sorted({group[k] for k, i in used.items() if i >= j})),
-        )
-        for j in range(first + 1, last + 1)
-    )
+    most: dict[tuple[int, tuple[int, ...]], int] = {}  # (point, groups) -> most live bytes
+    for j in range(first + 1, last + 1):
+        alive = tuple(sorted({group[k] for k, i in used.items() if i >= j}))
+        here = (line.point_at[j], alive)
+        live = rec.events[j][2] + (kept_at(kept, j) if kept else 0)
+        most[here] = max(most.get(here, 0), live)
+    return tuple((p, b, alive) for (p, alive), b in most.items())
 
 
 def run_recast(rec: Recording, reads: dict[Node, Reads], nodes: list[Node]) -> int:

@@ -53,7 +53,7 @@ from autoremat.core.selective import WAYS
 from autoremat.core.sizes import format_size
 from autoremat.costs import inputs
 from autoremat.costs import model as cost_model
-from autoremat.costs.model import Recast, Run, Storages
+from autoremat.costs.model import LateGroups, Recast, Run, Storages
 from autoremat.costs.timeline import Timeline, timeline
 from autoremat.record.recording import Recording, record_step
 from autoremat.record.step import Autocast, LossFn, ambient_autocast, autocast_spec
@@ -148,10 +148,12 @@ class NodeCost:
     nodes ended before it began took too, ``(bytes, (start, end) of those nodes)``: not held
     again when one of them is recomputed, in any way, since its checkpoint keeps them longer
     (:func:`autoremat.costs.inputs.shared_inputs`). ``late_casts``: such casts that nodes
-    after it saved too, ``(bytes, ends of those nodes, their first start)``: with it
-    recomputed and none of them, freed at the points after the forward from its end to
-    before that start
-    (:func:`autoremat.costs.model.late_casts`). ``alive_inputs``: inputs in ``held`` the step
+    after it saved too (:data:`autoremat.costs.model.LateGroup`): with it recomputed, gone
+    once those of them not recomputed have used it (:func:`autoremat.costs.model.late_casts`).
+    ``kept_inputs``: ``(point, bytes)``, how much more than the step without recompute its
+    checkpoint holds at the points of its backward by keeping its inputs to the end of it
+    (:func:`autoremat.costs.inputs.kept_inputs`).
+    ``alive_inputs``: inputs in ``held`` the step
     without recompute holds anyway for a while, ``(bytes, forward until, backward above,
     spans of earlier takers)``: unless one of those is recomputed, not held beyond it at the
     points of the forward before the one, nor after the forward at those above the other
@@ -183,7 +185,8 @@ class NodeCost:
     cached: int = 0
     shared_casts: tuple[tuple[int, tuple[int, ...]], ...] = ()
     shared_inputs: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
-    late_casts: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+    late_casts: LateGroups = ()
+    kept_inputs: tuple[tuple[int, int], ...] = ()
     alive_inputs: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...] = ()
 
     def way(self, name: str) -> WayCost:
@@ -446,7 +449,9 @@ class _Assembly:
         ends = {node: end for node, (_, end) in line.spans.items()}
         self.released = cost_model.released(rec, ends, line.ended_before)
         self.reads = cost_model.cast_reads_within(rec)
-        self.recasts = cost_model.recasts(rec, line, self.reads)
+        released = inputs.released_inputs(rec, line)
+        self.kept_inputs = inputs.kept_inputs(rec, line, released)
+        self.recasts = cost_model.recasts(rec, line, self.reads, released)
         self.runs = {
             node: tuple(self._recast_run(node.children, r) for r in found)
             for node, found in cost_model.runs(rec, line, self.released, freers).items()
@@ -512,6 +517,7 @@ class _Assembly:
             shared_casts=self.shared.get(node, ()),
             shared_inputs=self.shared_inputs.get(node, ()),
             late_casts=self.late.get(node, ()),
+            kept_inputs=self.kept_inputs.get(node, ()),
             alive_inputs=self.alive_inputs.get(node, ()),
         )
         return kept

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from autoremat.record.recording import Event
 from autoremat.record.tree import Node
 
-__all__ = ["Timeline", "timeline"]
+__all__ = ["Timeline", "backward_stretches", "timeline"]
 
 Points = tuple[tuple[int, int], ...]
 
@@ -99,3 +99,13 @@ def _points(
             backward_now[node] = unpacked.get(node, now)
     forward, backward = (tuple(sorted(phase.items())) for phase in peaks)
     return forward, backward, backward_now, tuple(point_at)
+
+
+def backward_stretches(events: list[Event], line: Timeline) -> dict[int, list[tuple[int, int]]]:
+    """The stretches after the forward, by point: ``(event, most live bytes)`` in time order
+    (the stretch that ends with that event)."""
+    loss_at = next(i for i, e in enumerate(events) if e[0] == "loss")
+    found: dict[int, list[tuple[int, int]]] = {}
+    for j in range(loss_at + 1, min(len(events), len(line.point_at))):
+        found.setdefault(line.point_at[j], []).append((j, events[j][2]))
+    return found

@@ -57,9 +57,10 @@ cheapest (a state merged away could have covered a later item's holders). The sa
 :attr:`Item.shared_inputs`, added per state in both phases. Two terms only
 :func:`predict_peak` counts, not the walk, which prices them as not freed (so its answer fits
 and its estimate may be lower than the walk's bound; a plan that fits only thanks to them can
-be missed): :attr:`Item.late_casts` (a first call's weight copy, freed once later calls that
-saved it have run their backward) and :attr:`Item.alive_inputs` (inputs the step holds anyway
-for a while, which the checkpoint's keeping costs nothing then).
+be missed): :attr:`Item.late_casts` (a first call's weight copy, gone once the later calls
+that saved it and are not recomputed have run their backward, and made again by the first
+call's recompute while the step's figure still counts it) and :attr:`Item.alive_inputs`
+(inputs the step holds anyway for a while, which the checkpoint's keeping costs nothing then).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_STATES = 1024
@@ -79,11 +80,23 @@ NONE = -(2**62)  # the bytes at a point where no moment was seen (below any budg
 FLOPS_PER_SECOND = 1e11
 TIE_PER_BYTE = 1e-3
 
-__all__ = ["Infeasible", "Item", "RunCost", "min_peak", "predict_peak", "solve"]
+__all__ = ["Infeasible", "Item", "Late", "RunCost", "min_peak", "predict_peak", "solve"]
 
 # A run [i:j) of a node's children recomputed as one (a plain Sequential): (i, j, freed, flops,
 # recompute_peak, held, held_from, cached), the last six as :class:`Item` has them
 RunCost = tuple[int, int, int, int, int, int, tuple[tuple[int, int], ...], int]
+
+
+@dataclass
+class Late:
+    """What an item's :attr:`Item.late_casts` free for a plan (:meth:`Item.late_freed`):
+    ``spans``, ``(bytes, after, before, held)``, gone at the points ``p`` after the forward
+    with ``after < p < before`` outside the ``held`` spans; ``points``, point -> bytes the
+    step's figure there falls by; ``first``, bytes its recompute's peak counts once less."""
+
+    spans: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
+    points: dict[int, int] = field(default_factory=dict)
+    first: int = 0
 
 
 @dataclass(frozen=True)
@@ -132,15 +145,22 @@ class Item:
     # its end, in both phases
     shared_inputs: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
     # such casts that nodes after it saved too (a shared module's first call casts the
-    # weights, later calls save the same copy): (bytes, ends of those nodes, their first
-    # start); with none of them chosen, freed at the points after the forward from its end
-    # to before that start (their backward has run then); in :func:`predict_peak` only
-    late_casts: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+    # weights, later calls save the same copy): (bytes, (start, end) of those nodes by end,
+    # per node the (point, bytes) its span's points fall by once its grad_fns have used the
+    # copy, whether this node made it); with it chosen, the copy is gone once the later
+    # savers not chosen have used it (:meth:`late_freed`); in :func:`predict_peak` only
+    late_casts: tuple[
+        tuple[int, tuple[tuple[int, int], ...], tuple[tuple[tuple[int, int], ...], ...], bool],
+        ...,
+    ] = ()
     # inputs it holds (in ``held``) that the step without recompute holds anyway for a while:
     # (bytes, forward until, backward above, spans of earlier takers); unless one of those is
     # chosen, not held beyond that step at the points of the forward from its start and
     # before the one, nor after the forward at those above the other; in predict_peak only
     alive_inputs: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...] = ()
+    # (point, bytes) more it holds at those points of its backward, by keeping to its end
+    # inputs the step without recompute frees part-way through it (:meth:`held_back`)
+    kept_inputs: tuple[tuple[int, int], ...] = ()
 
     @property
     def freed_in_forward(self) -> int:
@@ -199,14 +219,35 @@ class Item:
         covered = _covering(chosen)
         return sum(b for b, ends in self.shared_casts if all(covered(e) for e in ends))
 
-    def late_freed(self, chosen: Sequence[Item]) -> list[tuple[int, int]]:
-        """The :attr:`late_casts` it frees when ``chosen`` are recomputed, as ``(bytes,
-        until)``: those none of whose other savers ``chosen`` covers, freed at the points ``p``
-        after the forward with ``end < p < until``."""
+    def late_freed(self, chosen: Sequence[Item]) -> Late:
+        """What :attr:`late_casts` free when ``chosen`` (this item among them) are recomputed.
+
+        A copy dies once the first later saver not chosen (``u``; none: every one is) has run
+        the grad_fns that used it; a chosen one uses its recompute's own copy. So it is gone
+        at the points after the forward between this item's end and ``u``'s start (the last
+        saver's when all are chosen: after its end :attr:`shared_casts` free it), but for those
+        inside a chosen item that holds a later saver, whose recompute casts it again; inside
+        each later saver's span up to ``u``, in the stretches after its grad_fns used it
+        (``credits``). When this node made the copy, its recompute makes it again while the
+        step's figure still holds the first: its recompute's peak counts it once less."""
+        late = Late()
         if not self.late_casts:
-            return []
+            return late
         covered = _covering(chosen)
-        return [(b, until) for b, ends, until in self.late_casts if not any(map(covered, ends))]
+        for size, savers, credits, remade in self.late_casts:
+            late.first += size if remade else 0
+            gone = next((k for k, (_, e) in enumerate(savers) if not covered(e)), None)
+            last = len(savers) - 1 if gone is None else gone
+            hold = [
+                (c.start, c.end)
+                for c in chosen
+                if any(c.start <= e <= c.end for _, e in savers[: last + 1])
+            ]
+            late.spans.append((size, self.end, savers[last][0], tuple(hold)))
+            for found in credits[: last + 1]:
+                for p, b in found:
+                    late.points[p] = max(late.points.get(p, 0), b)
+        return late
 
     def input_credit(self, chosen: Sequence[Item]) -> int:
         """The bytes of :attr:`shared_inputs` an earlier chosen item already holds, freed back
@@ -224,7 +265,14 @@ class Item:
         return max([self.recompute_peak + extra, *(b for _, b in moments)])
 
     def _inside(self, point: int) -> int:
+        # (a recast moment is one stretch: its bytes count the inputs kept there already)
         return self.held_in_backward if point >= self.start else 0
+
+    def held_back(self, point: int) -> int:
+        """The bytes more than the step without recompute live at ``point`` of its backward
+        (``start <= point <= end``): :attr:`held_in_backward`, and its :attr:`kept_inputs`
+        there."""
+        return self.held + sum(b for p, b in self.kept_inputs if p == point)
 
     def held_at(self, point: int) -> int:
         """The bytes more than the step without recompute live at ``point``, inside the span,
@@ -253,6 +301,9 @@ class Item:
         if self.start < stop:
             most = max(backward[self.start : stop])
             after = most + self.held_in_backward if most > NONE else NONE
+            for p, b in self.kept_inputs:
+                if p < stop and backward[p] > NONE:
+                    after = max(after, backward[p] + self.held + b)
         for p, b in (*self.held_from, (stop, 0)):
             if p > begin and begin < stop:
                 most = max(forward[begin : min(p, stop)])
@@ -278,6 +329,19 @@ class Item:
         for child in self.children:
             out.extend(child.walk())
         return out
+
+
+def _late(chosen: Sequence[Item]) -> Late:
+    """The chosen items' :meth:`Item.late_freed` together: at a point, the most one of them
+    takes off (each counts its copy gone from some stretches on; their sum could count a
+    moment twice); ``first`` is left per item to :func:`predict_peak`."""
+    found = Late()
+    for s in chosen:
+        late = s.late_freed(chosen)
+        found.spans += late.spans
+        for p, b in late.points.items():
+            found.points[p] = max(found.points.get(p, 0), b)
+    return found
 
 
 def _covering(chosen: Sequence[Item]) -> Any:
@@ -306,26 +370,32 @@ def predict_peak(
 
     ``forward`` are the points of the forward pass, where a chosen node part-way through its
     own forward holds :meth:`Item.held_at` bytes more; ``points`` the others (at those inside
-    its span it holds :attr:`Item.held_in_backward` more). Points given only in ``points``
+    its span it holds :meth:`Item.held_back` more). Points given only in ``points``
     are priced as the latter, an upper bound. A chosen item's :attr:`Item.recasts` count at
     its recompute and at the moments of its backward while they live
     (:meth:`Item.recast_with`)."""
     recast = {id(s): s.recast_with(chosen) for s in chosen}
+    late = _late(chosen)
     after = [
         *(
-            (p, b + sum(s.held_in_backward for s in chosen if s.start <= p <= s.end))
+            (
+                p,
+                b
+                - late.points.get(p, 0)
+                + sum(s.held_back(p) for s in chosen if s.start <= p <= s.end),
+            )
             for p, b in points
         ),
-        *((s.start, s.recompute_peak + recast[id(s)][0]) for s in chosen),
+        *((s.start, s.recompute_peak + recast[id(s)][0] - s.late_freed(chosen).first)
+          for s in chosen),
         *(m for s in chosen for m in recast[id(s)][1]),
-    ]
+    ]  # fmt: skip
     during = [
         (p, b + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)) for p, b in forward
     ]
     credit = {id(s): s.input_credit(chosen) for s in chosen}
     freed = {id(s): s.freed + s.shared_freed(chosen) + credit[id(s)] for s in chosen}
     in_forward = {id(s): s.freed_in_forward + credit[id(s)] for s in chosen}
-    late = [(s.end, b, until) for s in chosen for b, until in s.late_freed(chosen)]
     spans = {(c.start, c.end) for c in chosen}
     alive = [
         (s.start, b, until, above)
@@ -338,7 +408,7 @@ def predict_peak(
             *(
                 b
                 - sum(freed[id(s)] for s in chosen if s.end < p)
-                - sum(size for end, size, until in late if end < p < until)
+                - sum(size for size, lo, hi, held in late.spans if _between(p, lo, hi, held))
                 - sum(size for _, size, _, above in alive if above < p)
                 for p, b in after
             ),
@@ -351,6 +421,11 @@ def predict_peak(
         ],
         default=0,
     )
+
+
+def _between(p: int, lo: int, hi: int, held: tuple[tuple[int, int], ...]) -> bool:
+    """Whether point ``p`` is strictly between ``lo`` and ``hi`` and in none of ``held``."""
+    return lo < p < hi and not any(a <= p <= b for a, b in held)
 
 
 # A state of the dynamic programme: (-bytes freed so far, cost so far, tie-break, chosen,

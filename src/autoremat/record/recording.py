@@ -119,6 +119,12 @@ class Recording:
     # its grad_fns held it: (node, storage key) -> event index
     unpack_events: dict[Node, int] = field(default_factory=dict)
     cast_unpacks: dict[tuple[Node, int], int] = field(default_factory=dict)
+    # the same for each storage a node saved that is an input of it or of a node it runs
+    # inside (a checkpoint of that node keeps its inputs to the end of its backward)
+    input_unpacks: dict[tuple[Node, int], int] = field(default_factory=dict)
+    # node -> the last such event of everything it saved (once its grad_fns have all run: a
+    # checkpoint of it lets its inputs go then)
+    used_by: dict[Node, int] = field(default_factory=dict)
     # the storage keys of the casts autocast's cast cache keeps until the forward's autocast
     # region ends (a weight's copy in the lower precision: a float32 leaf that requires grad),
     # whoever saved them: a checkpointed module does not free them during the forward
@@ -315,6 +321,8 @@ class _Recorder:
         self.save_marks: dict[Node, int] = {}  # and at each node's last save
         self.made = 0  # marks made
         self.parent: dict[Node, Node | None] = {self.root: None}
+        # grad_fns whose post-hook marks when they have run: id -> (the grad_fn, what to note)
+        self.hooked: dict[int, tuple[Any, list[Callable[[int], None]]]] = {}
         self.calls: list[Node] = [self.root]
         self.modules = {id(n.module): n for n in tree.walk()}
         self.count: dict[int, int] = defaultdict(int)
@@ -395,22 +403,56 @@ class _Recorder:
             rec.unpacked[here] = (len(rec.unpacked), self.memory.current)
             rec.unpack_events[here] = len(rec.events) - 1
             here = self.parent[here]
-        if self.costs.casts and (key := storage_key(packed[1])) in self.costs.casts:
-            self._cast_used(saver, key)
+        self._used(saver, storage_key(packed[1]))
         return packed[1]
 
-    def _cast_used(self, saver: Node, key: int) -> None:
-        """Backward's grad_fn of ``saver`` uses the cast ``key``: mark when it has run (it lets
-        what it saved go then), in :attr:`Recording.cast_unpacks`."""
+    def _an_input(self, saver: Node, key: int) -> bool:
+        """Whether storage ``key`` is an input of ``saver`` or of a node it runs inside."""
+        node: Node | None = saver
+        while node is not None:
+            if key in self.rec.input_keys[node]:
+                return True
+            node = self.parent[node]
+        return False
+
+    def _used(self, saver: Node, key: int | None) -> None:
+        """Backward's grad_fn of ``saver`` uses storage ``key``: mark when it has run (it lets
+        what it saved go then), in :attr:`Recording.used_by`, and for a cast or an input in
+        :attr:`Recording.cast_unpacks` or :attr:`Recording.input_unpacks`: the event that ends
+        the last stretch in which it held it."""
+        rec = self.rec
+        into = [
+            found
+            for found, watched in (
+                (rec.cast_unpacks, key in self.costs.casts),
+                (rec.input_unpacks, key is not None and self._an_input(saver, key)),
+            )
+            if watched
+        ]
+
+        def note(event: int) -> None:
+            rec.used_by[saver] = max(rec.used_by.get(saver, event), event)
+            for found in into:
+                found[saver, key] = event  # type: ignore[index]
+
         grad_fn = torch._C._current_autograd_node()
         if grad_fn is None:  # not in a grad_fn: the stretch that begins now holds it
             self.mark("unpack", saver)
-            self.rec.cast_unpacks[saver, key] = len(self.rec.events)
+            note(len(rec.events))
             return
+        hooked = self.hooked.get(id(grad_fn))
+        if hooked is not None and hooked[0] is grad_fn:
+            hooked[1].append(note)  # one mark when it has run, for all it used
+            return
+        notes: list[Callable[[int], None]] = [note]
+        at = id(grad_fn)
+        self.hooked[at] = (grad_fn, notes)  # (until it has run: ids are reused)
 
         def ran(_grad_inputs: Any, _grad_outputs: Any) -> None:
+            self.hooked.pop(at, None)
             self.mark("unpack", saver)
-            self.rec.cast_unpacks[saver, key] = len(self.rec.events) - 1
+            for each in notes:
+                each(len(rec.events) - 1)
 
         grad_fn.register_hook(ran)
 
