@@ -1181,3 +1181,17 @@ def test_runs_of_named_children_plan_apply_and_train_exactly(objective: str, sel
     assert autoremat.measure(wrapped, args).peak <= plan.budget
     assert_same_step(copy.deepcopy(model), wrapped, args, {})
     assert all(c.seconds is not None for c in plan.choices)
+
+
+def test_the_inputs_a_checkpoint_keeps_in_its_backward_count_in_the_walk_too() -> None:
+    """An item whose checkpoint keeps an input one byte past the step at its own point: the
+    prediction counts it, and the walk, which must never choose what the prediction refuses,
+    too (a hypothesis case: with a thinned frontier it chose it under a budget of 0)."""
+    way = Item("n0", start=0, end=0, freed=1, flops=0, recompute_peak=2, way="selective",
+               kept_inputs=((0, 1),))  # fmt: skip
+    n0 = Item("n0", start=0, end=0, freed=1, flops=0, kept_inputs=((0, 1),), other_ways=(way,))
+    assert predict_peak(((0, 0),), [n0]) == 1
+    for states in (1, 2, 1024):
+        with mock.patch.object(budget_mod, "MAX_STATES", states):
+            chosen = solve(n0, ((0, 0),), 0)
+        assert predict_peak(((0, 0),), chosen) <= 0

@@ -29,8 +29,9 @@ Pure: it reads :class:`Item` trees and points, and knows nothing of models, prof
   checkpointed forward drops; more, for a selective recompute, each kept output nothing else
   saved, from the point it was made. During its backward it holds its inputs only
   (:attr:`Item.held_in_backward`): the recompute has brought the rest back, and taken the
-  cached outputs out of the cache. The predicted peak is the maximum over the points; with
-  ``S`` empty it is the profiled peak itself.
+  cached outputs out of the cache; at some points more, the inputs the step would let go
+  part-way through that backward (:meth:`Item.held_back`). The predicted peak is the
+  maximum over the points; with ``S`` empty it is the profiled peak itself.
 
 The solver is exact under that model: a dynamic programme over the tree in execution order
 whose state is the set of Pareto-optimal ``(bytes freed so far, cost so far)`` pairs (when an
@@ -545,6 +546,14 @@ class _Solver:
             max(self.need) - budget,
             # (every recast counted: nothing chosen covers a holder)
             *(w.recast_peak(()) - budget for i in root.walk() for w in (i, *i.other_ways)),
+            # (the inputs a checkpoint keeps at the points of its backward)
+            *(
+                self.after[p] + w.held + b - budget
+                for i in root.walk()
+                for w in (i, *i.other_ways)
+                for p, b in w.kept_inputs
+                if p <= self.top and self.after[p] > NONE
+            ),
         )
         self.grid = max(1, -(-self.cap // MAX_STATES))
         # some item frees less in the forward than after it: states carry both
@@ -582,7 +591,7 @@ class _Solver:
 
     def take(self, item: Item, states: list[_State]) -> list[_State]:
         """The states in which recomputing ``item`` whole fits, with it recomputed."""
-        if item.held_from or self.phased:
+        if item.held_from or item.kept_inputs or self.phased:
             during, after = item.worst_inside(self.during, self.after)
         else:  # the same in both phases (the common case, kept fast)
             inside = max(self.need[item.start + 1 : item.end + 1], default=NONE)
