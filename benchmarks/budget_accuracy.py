@@ -4,6 +4,7 @@ the CPU allocator, in fp32 and under bf16 autocast.
     python benchmarks/budget_accuracy.py                   # ~10 min on 2 shared CPU cores
     python benchmarks/budget_accuracy.py --models mlp,cnn --label before
     python benchmarks/budget_accuracy.py --memory both --precisions fp32,bf16,fp16 --label scratch
+    python benchmarks/budget_accuracy.py --models example:gpt2,example:lstm-cell --label examples
 
 For each model of :data:`zoo.ZOO` and the shared-module models of :data:`zoo.REPEATED`, in
 fp32 and under CPU bf16 autocast: one profile, then budget plans priced by FLOPs (the same plan
@@ -33,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import autoremat
+from autoremat.examples import EXAMPLES
 from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.training.device_model import CPU_RNG_STATE
 from autoremat.training.plan_for_device import plan_fitting
@@ -45,6 +47,10 @@ MODELS = [*ZOO, "looped-8", "two-tower"]
 
 
 def build(name: str) -> Any:
+    """A model of the benchmark zoo, of ``zoo.REPEATED``, or ``example:NAME``, a built-in
+    example (``autoremat.examples.EXAMPLES``, as ``autoremat examples`` lists them)."""
+    if name.startswith("example:"):
+        return EXAMPLES[name.removeprefix("example:")]()
     return ZOO[name]() if name in ZOO else REPEATED[name][0]()
 
 
