@@ -540,6 +540,11 @@ def test_a_late_cast_is_freed_between_the_first_call_and_the_others_backward() -
     assert predict_peak(after, chosen, forward) <= 90
 
 
+def _merged(chosen: list[Item]) -> Any:
+    """What ``chosen``'s late casts free together, as :func:`predict_peak` counts them."""
+    return _late([c.late_freed(chosen) for c in chosen])
+
+
 def test_a_late_cast_goes_inside_a_later_savers_span_once_its_grad_fns_used_it() -> None:
     """Calls 1..3 save the copy call 0 made. With calls 0 and 1 recomputed and 2 not, the copy
     is gone at call 1's point where its grad_fns have used their own copy (the credit, 5 of
@@ -558,11 +563,11 @@ def test_a_late_cast_goes_inside_a_later_savers_span_once_its_grad_fns_used_it()
     # call 0 and 1: the odd points up to 3 whole (6), point 2 its credit, point 4 call 2's
     expected = [100 - 10 - 6, 100 - 10 - 5, 100 - 20 - 6, 100 - 20 - 4, 100 - 20, 100 - 20]
     assert predict_peak(after, calls[:2], ()) == max(expected)
-    assert _late(calls[:2]).points == {2: 5, 4: 4}
-    assert _late(calls[:3]).points == {2: 5, 4: 4, 6: 3}
+    assert _merged(calls[:2]).points == {2: 5, 4: 4}
+    assert _merged(calls[:3]).points == {2: 5, 4: 4, 6: 3}
     other = Item("o", start=4, end=4, freed=0, flops=0,
                  late_casts=((6, ((6, 6),), (((2, 3), (4, 5)),), False),))  # fmt: skip
-    assert _late([calls[0], other]).points == {2: 5, 4: 5}
+    assert _merged([calls[0], other]).points == {2: 5, 4: 5}
 
 
 def test_a_first_calls_recompute_counts_the_copy_it_makes_again_once() -> None:

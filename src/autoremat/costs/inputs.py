@@ -17,9 +17,10 @@ state). Pure functions over a recording and its timeline, as
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
-from autoremat.costs.timeline import Timeline, backward_stretches
+from autoremat.costs.timeline import Timeline, backward_stretches, risen
 from autoremat.record.recording import Recording
 from autoremat.record.tree import Node
 
@@ -231,17 +232,9 @@ def kept_inputs(
     stretches = backward_stretches(rec.events, line)
     found = {}
     for n, inputs in released.items():
-        start, end = line.spans[n]
-        first = min(e for e, _ in inputs[0])
-        extra = []
-        for p in range(start, end + 1):
-            here = stretches.get(p, [])
-            if not any(first < j <= inputs[1] for j, _ in here):
-                continue  # (zeros kept: a profile scaled in the batch needs the same entries)
-            most = max(b for _, b in here)
-            extra.append((p, max(b + kept_at(inputs, j) for j, b in here) - most))
+        extra = risen(stretches, line.spans[n], functools.partial(kept_at, inputs))
         if extra:
-            found[n] = tuple(extra)
+            found[n] = extra
     return found
 
 

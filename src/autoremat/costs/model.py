@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from autoremat.costs.inputs import Released, alive_until_after, consumers, kept_at
-from autoremat.costs.timeline import Timeline, backward_stretches
+from autoremat.costs.timeline import Timeline, backward_stretches, risen
 from autoremat.record.recording import Recording
 from autoremat.record.tree import Node
 
@@ -273,15 +273,7 @@ def _credits(
     with ``size`` bytes gone from the stretches after event ``last`` (``None``: unknown)."""
     if last is None:
         return ()
-    found = []
-    for p in range(span[0], span[1] + 1):
-        before = max((b for j, b in stretches.get(p, ()) if j <= last), default=None)
-        after = max((b for j, b in stretches.get(p, ()) if j > last), default=None)
-        if after is None:
-            continue
-        most = after if before is None else max(before, after)
-        found.append((p, most - (after - size if before is None else max(before, after - size))))
-    return tuple(found)  # (zeros kept: a profile scaled in the batch needs the same entries)
+    return tuple((p, -b) for p, b in risen(stretches, span, lambda j: -size if j > last else 0))
 
 
 def _passed_on(

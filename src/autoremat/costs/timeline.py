@@ -10,12 +10,13 @@ are kept apart from those after it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from autoremat.record.recording import Event
 from autoremat.record.tree import Node
 
-__all__ = ["Timeline", "backward_stretches", "timeline"]
+__all__ = ["Timeline", "backward_stretches", "risen", "timeline"]
 
 Points = tuple[tuple[int, int], ...]
 
@@ -109,3 +110,22 @@ def backward_stretches(events: list[Event], line: Timeline) -> dict[int, list[tu
     for j in range(loss_at + 1, min(len(events), len(line.point_at))):
         found.setdefault(line.point_at[j], []).append((j, events[j][2]))
     return found
+
+
+def risen(
+    stretches: dict[int, list[tuple[int, int]]],
+    span: tuple[int, int],
+    change: Callable[[int], int],
+) -> tuple[tuple[int, int], ...]:
+    """At each point of ``span`` after the forward (``stretches``: :func:`backward_stretches`)
+    where some stretch changes, ``(point, bytes)``: how much its most live bytes rise (fall,
+    when negative) with ``change(event)`` bytes more in the stretch that ends with ``event``.
+    (A point whose change comes to 0 stays: a profile scaled in the batch needs the same
+    entries at every batch.)"""
+    found = []
+    for p in range(span[0], span[1] + 1):
+        here = stretches.get(p, [])
+        if any(change(j) for j, _ in here):
+            most = max(b for _, b in here)
+            found.append((p, max(b + change(j) for j, b in here) - most))
+    return tuple(found)

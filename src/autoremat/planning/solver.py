@@ -332,13 +332,12 @@ class Item:
         return out
 
 
-def _late(chosen: Sequence[Item]) -> Late:
-    """The chosen items' :meth:`Item.late_freed` together: at a point, the most one of them
-    takes off (each counts its copy gone from some stretches on; their sum could count a
-    moment twice); ``first`` is left per item to :func:`predict_peak`."""
+def _late(lates: Sequence[Late]) -> Late:
+    """Chosen items' :meth:`Item.late_freed` together: at a point, the most one of them takes
+    off (each counts its copy gone from some stretches on; their sum could count a moment
+    twice); ``first`` stays per item (:func:`predict_peak` reads it from each)."""
     found = Late()
-    for s in chosen:
-        late = s.late_freed(chosen)
+    for late in lates:
         found.spans += late.spans
         for p, b in late.points.items():
             found.points[p] = max(found.points.get(p, 0), b)
@@ -376,7 +375,8 @@ def predict_peak(
     its recompute and at the moments of its backward while they live
     (:meth:`Item.recast_with`)."""
     recast = {id(s): s.recast_with(chosen) for s in chosen}
-    late = _late(chosen)
+    lates = {id(s): s.late_freed(chosen) for s in chosen}
+    late = _late(list(lates.values()))
     after = [
         *(
             (
@@ -387,8 +387,7 @@ def predict_peak(
             )
             for p, b in points
         ),
-        *((s.start, s.recompute_peak + recast[id(s)][0] - s.late_freed(chosen).first)
-          for s in chosen),
+        *((s.start, s.recompute_peak + recast[id(s)][0] - lates[id(s)].first) for s in chosen),
         *(m for s in chosen for m in recast[id(s)][1]),
     ]  # fmt: skip
     during = [
