@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autoremat
 import run
 from autoremat.planning.planning_tree import planning_tree
-from autoremat.planning.solver import predict_peak
+from autoremat.planning.prediction import predict_peak
 from autoremat.wrap.wrapping import apply
 from report import dicts_to_csv
 from zoo import REPEATED

@@ -31,13 +31,12 @@ from autoremat.core.sizes import parse_budget
 from autoremat.examples import EXAMPLES
 from autoremat.planning import solver as budget_mod
 from autoremat.planning.planning_tree import planning_tree
+from autoremat.planning.prediction import _late, predict_peak
 from autoremat.planning.solver import (
     FLOPS_PER_SECOND,
     Infeasible,
     Item,
-    _late,
     min_peak,
-    predict_peak,
     solve,
 )
 from autoremat.planning.strategies.budget import HEADROOM

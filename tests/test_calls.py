@@ -24,7 +24,7 @@ from autoremat.core.entries import call_entry, first_nested, module_of, parse_ca
 from autoremat.examples import EXAMPLES, Block
 from autoremat.examples.repeated import LoopedTransformer
 from autoremat.planning.planning_tree import planning_tree
-from autoremat.planning.solver import predict_peak
+from autoremat.planning.prediction import predict_peak
 from autoremat.planning.strategies.budget import HEADROOM, choices_for
 from autoremat.wrap.calls import NewStep
 from autoremat.wrap.checkpointed import selective_paths, wrapped_paths

@@ -13,7 +13,7 @@ from torch import nn
 
 import autoremat
 from autoremat.comparison.recomputed import RecomputeCounter
-from autoremat.planning.solver import predict_peak
+from autoremat.planning.prediction import predict_peak
 from moments import forward_moments
 
 D, ROWS = 256, 512

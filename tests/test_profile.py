@@ -232,7 +232,7 @@ def test_a_checkpointed_forward_is_priced_point_by_point(entries, selective):
 def test_predicted_step_peak_is_the_measured_one_on_nested_blocks(entries, selective):
     """The whole model, recompute peaks included: the prediction for a set of entries (whole
     or selective) is the measured peak of the step, to the byte."""
-    from autoremat.planning.solver import predict_peak
+    from autoremat.planning.prediction import predict_peak
 
     model, x = nested_blocks(), torch.randn(2048, 512)
     prof = autoremat.profile(model, (x,))
@@ -256,7 +256,7 @@ def test_under_autocast_a_checkpointed_forward_keeps_its_weight_casts_until_the_
     when backward begins. The profile says which part of what a block frees that is (its four
     weights in bf16), and the prediction is the measured peak to the byte. (Priced as freed
     from the block's end, the plan recomputing block 1 was under by its 2 MiB of casts.)"""
-    from autoremat.planning.solver import predict_peak
+    from autoremat.planning.prediction import predict_peak
 
     model, x = nested_blocks(), torch.randn(256, 512)
     prof = autoremat.profile(model, (x,), autocast=torch.bfloat16)

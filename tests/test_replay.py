@@ -27,7 +27,7 @@ import autoremat
 from autoremat import wrap
 from autoremat.planning.planning_tree import planning_tree
 from autoremat.planning.plans import Plan
-from autoremat.planning.solver import predict_peak
+from autoremat.planning.prediction import predict_peak
 from autoremat.planning.strategies.levels import choose_levels
 from autoremat.record.tree import Node
 from conftest import assert_same_step

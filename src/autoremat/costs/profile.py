@@ -53,7 +53,8 @@ from autoremat.core.selective import WAYS
 from autoremat.core.sizes import format_size
 from autoremat.costs import inputs
 from autoremat.costs import model as cost_model
-from autoremat.costs.model import LateGroups, Recast, Run, Storages
+from autoremat.costs.model import Recast, Run, Storages
+from autoremat.costs.shared_casts import LateGroups, late_casts, shared_casts
 from autoremat.costs.timeline import Timeline, timeline
 from autoremat.record.recording import Recording, record_step
 from autoremat.record.step import Autocast, LossFn, ambient_autocast, autocast_spec
@@ -143,13 +144,14 @@ class NodeCost:
     frees ``freed - cached`` at the points of the forward after it, ``freed`` after the
     forward. ``shared_casts``: such casts that nodes before it saved too (a shared module's
     weights), ``(bytes, ends of those nodes)``: freed after the forward, from its end, when
-    those nodes are recomputed too (:func:`autoremat.costs.model.shared_casts`; the planner
+    those nodes are recomputed too (:func:`autoremat.costs.shared_casts.shared_casts`; the planner
     works that out from the plan), in any way. ``shared_inputs``: inputs in ``held`` that
     nodes ended before it began took too, ``(bytes, (start, end) of those nodes)``: not held
     again when one of them is recomputed, in any way, since its checkpoint keeps them longer
     (:func:`autoremat.costs.inputs.shared_inputs`). ``late_casts``: such casts that nodes
-    after it saved too (:data:`autoremat.costs.model.LateGroup`): with it recomputed, gone
-    once those of them not recomputed have used it (:func:`autoremat.costs.model.late_casts`).
+    after it saved too (:data:`autoremat.costs.shared_casts.LateGroup`): with it
+    recomputed, gone once those of them not recomputed have used it
+    (:func:`autoremat.costs.shared_casts.late_casts`).
     ``kept_inputs``: ``(point, bytes)``, how much more than the step without recompute its
     checkpoint holds at the points of its backward by keeping its inputs to the end of it
     (:func:`autoremat.costs.inputs.kept_inputs`).
@@ -305,7 +307,7 @@ def profile(
     ``"tensors"`` (the tracker's, :class:`~autoremat.record.memory.LiveMemory`) or, for a step
     on the CPU, ``"allocator"``: each moment also counts the scratch buffers kernels allocate
     inside an op (a convolution's backward on the CPU), as the CPU allocator saw them
-    (:func:`~autoremat.record.recording.with_scratch`), so plans bound the allocator's figure.
+    (:func:`~autoremat.record.scratch.with_scratch`), so plans bound the allocator's figure.
 
     Hugging Face models train without their key/value cache here, as every applied plan
     makes them (:mod:`autoremat.core.huggingface`); with ``hf_cache`` they fill it, as the model
@@ -444,8 +446,8 @@ class _Assembly:
         self.shared_inputs = inputs.shared_inputs(rec, line, charged)
         self.alive_inputs = inputs.alive_inputs(rec, line, charged)
         self.cached = cost_model.cached_bytes(rec, freers)
-        self.shared = cost_model.shared_casts(rec, line)
-        self.late = cost_model.late_casts(rec, line)
+        self.shared = shared_casts(rec, line)
+        self.late = late_casts(rec, line)
         ends = {node: end for node, (_, end) in line.spans.items()}
         self.released = cost_model.released(rec, ends, line.ended_before)
         self.reads = cost_model.cast_reads_within(rec)

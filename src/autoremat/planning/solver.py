@@ -56,12 +56,13 @@ merged by bytes freed and cost alone, so with recasts the answer fits but may no
 cheapest (a state merged away could have covered a later item's holders). The same holds for
 :attr:`Item.shared_casts`, added per state to what the item frees after the forward, and
 :attr:`Item.shared_inputs`, added per state in both phases. Two terms only
-:func:`predict_peak` counts, not the walk, which prices them as not freed (so its answer fits
-and its estimate may be lower than the walk's bound; a plan that fits only thanks to them can
-be missed): :attr:`Item.late_casts` (a first call's weight copy, gone once the later calls
-that saved it and are not recomputed have run their backward, and made again by the first
-call's recompute while the step's figure still counts it) and :attr:`Item.alive_inputs`
-(inputs the step holds anyway for a while, which the checkpoint's keeping costs nothing then).
+:func:`~autoremat.planning.prediction.predict_peak` counts, not the walk, which prices them as
+not freed (so its answer fits and its estimate may be lower than the walk's bound; a plan that
+fits only thanks to them can be missed): :attr:`Item.late_casts` (a first call's weight copy,
+gone once the later calls that saved it and are not recomputed have run their backward, and
+made again by the first call's recompute while the step's figure still counts it) and
+:attr:`Item.alive_inputs` (inputs the step holds anyway for a while, which the checkpoint's
+keeping costs nothing then).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ NONE = -(2**62)  # the bytes at a point where no moment was seen (below any budg
 FLOPS_PER_SECOND = 1e11
 TIE_PER_BYTE = 1e-3
 
-__all__ = ["Infeasible", "Item", "Late", "RunCost", "min_peak", "predict_peak", "solve"]
+__all__ = ["Infeasible", "Item", "Late", "RunCost", "min_peak", "solve"]
 
 # A run [i:j) of a node's children recomputed as one (a plain Sequential): (i, j, freed, flops,
 # recompute_peak, held, held_from, cached), the last six as :class:`Item` has them
@@ -332,18 +333,6 @@ class Item:
         return out
 
 
-def _late(lates: Sequence[Late]) -> Late:
-    """Chosen items' :meth:`Item.late_freed` together: at a point, the most one of them takes
-    off (each counts its copy gone from some stretches on; their sum could count a moment
-    twice); ``first`` stays per item (:func:`predict_peak` reads it from each)."""
-    found = Late()
-    for late in lates:
-        found.spans += late.spans
-        for p, b in late.points.items():
-            found.points[p] = max(found.points.get(p, 0), b)
-    return found
-
-
 def _covering(chosen: Sequence[Item]) -> Any:
     """Whether a node (by its ``end``) is inside one of ``chosen`` (never one inside another):
     the first chosen item ending at or after it begins at or before it."""
@@ -359,73 +348,6 @@ def _covering(chosen: Sequence[Item]) -> Any:
 
 class Infeasible(ValueError):
     """No set of modules brings the predicted peak under the budget."""
-
-
-def predict_peak(
-    points: Sequence[tuple[int, int]],
-    chosen: Sequence[Item],
-    forward: Sequence[tuple[int, int]] = (),
-) -> int:
-    """The predicted step peak when the ``chosen`` nodes are recomputed (module docstring).
-
-    ``forward`` are the points of the forward pass, where a chosen node part-way through its
-    own forward holds :meth:`Item.held_at` bytes more; ``points`` the others (at those inside
-    its span it holds :meth:`Item.held_back` more). Points given only in ``points``
-    are priced as the latter, an upper bound. A chosen item's :attr:`Item.recasts` count at
-    its recompute and at the moments of its backward while they live
-    (:meth:`Item.recast_with`)."""
-    recast = {id(s): s.recast_with(chosen) for s in chosen}
-    lates = {id(s): s.late_freed(chosen) for s in chosen}
-    late = _late(list(lates.values()))
-    after = [
-        *(
-            (
-                p,
-                b
-                - late.points.get(p, 0)
-                + sum(s.held_back(p) for s in chosen if s.start <= p <= s.end),
-            )
-            for p, b in points
-        ),
-        *((s.start, s.recompute_peak + recast[id(s)][0] - lates[id(s)].first) for s in chosen),
-        *(m for s in chosen for m in recast[id(s)][1]),
-    ]  # fmt: skip
-    during = [
-        (p, b + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)) for p, b in forward
-    ]
-    credit = {id(s): s.input_credit(chosen) for s in chosen}
-    freed = {id(s): s.freed + s.shared_freed(chosen) + credit[id(s)] for s in chosen}
-    in_forward = {id(s): s.freed_in_forward + credit[id(s)] for s in chosen}
-    spans = {(c.start, c.end) for c in chosen}
-    alive = [
-        (s.start, b, until, above)
-        for s in chosen
-        for b, until, above, earlier in s.alive_inputs
-        if not any(h in spans for h in earlier)
-    ]
-    return max(
-        [
-            *(
-                b
-                - sum(freed[id(s)] for s in chosen if s.end < p)
-                - sum(size for size, lo, hi, held in late.spans if _between(p, lo, hi, held))
-                - sum(size for _, size, _, above in alive if above < p)
-                for p, b in after
-            ),
-            *(
-                b
-                - sum(in_forward[id(s)] for s in chosen if s.end < p)
-                - sum(size for start, size, until, _ in alive if start < p < until)
-                for p, b in during
-            ),
-        ],
-        default=0,
-    )
-
-
-def _between(p: int, lo: int, hi: int, held: tuple[tuple[int, int], ...]) -> bool:
-    """Whether point ``p`` is strictly between ``lo`` and ``hi`` and in none of ``held``."""
-    return lo < p < hi and not any(a <= p <= b for a, b in held)
 
 
 # A state of the dynamic programme: (-bytes freed so far, cost so far, tie-break, chosen,
@@ -492,8 +414,9 @@ def solve(
     budget: int,
     forward: Sequence[tuple[int, int]] = (),
 ) -> list[Item]:
-    """The cheapest set of nodes under ``root`` whose predicted peak (:func:`predict_peak`,
-    with the same ``points`` and ``forward``) is at most ``budget`` (module docstring; with
+    """The cheapest set of nodes under ``root`` whose predicted peak
+    (:func:`~autoremat.planning.prediction.predict_peak`, with the same ``points`` and
+    ``forward``) is at most ``budget`` (module docstring; with
     :attr:`~Item.recasts`, a set that fits, not always the cheapest).
 
     Raises:

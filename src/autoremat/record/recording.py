@@ -35,6 +35,7 @@ from autoremat.record.forward_liveness import (
     new_storages,
 )
 from autoremat.record.memory import CpuAllocatorMemory, LiveMemory
+from autoremat.record.scratch import Highs, with_scratch
 from autoremat.record.snapshot import preserved
 from autoremat.record.step import Autocast, LossFn, autocast_for, leaf_inputs, train_step
 from autoremat.record.tree import Node, TensorInfo, tensor_infos
@@ -48,7 +49,6 @@ __all__ = [
     "SelfCheckpointingError",
     "lineage",
     "record_step",
-    "with_scratch",
 ]
 
 # (kind, node, peak since the previous event, live bytes now); kind is "start" or "end" of a
@@ -524,40 +524,6 @@ def _recomputes_itself(path: str) -> str:
     )
 
 
-class _Highs:
-    """The CPU allocator's figures at its marks (numbered ``0, 1, ...``), for
-    :func:`with_scratch`: ``rise(a, b)``, the most it rose above its figure at mark ``a``
-    (``-1``: the start) up to mark ``b``."""
-
-    def __init__(self, allocator: CpuAllocatorMemory, count: int) -> None:
-        self.now = [allocator.marks.get(str(k), 0) for k in range(count)]
-        self.high = [allocator.highs.get(str(k), 0) for k in range(count)]
-
-    def rise(self, a: int, b: int) -> int:
-        start = self.now[a] if a >= 0 else 0
-        return max(self.high[a + 1 : b + 1], default=start) - start
-
-
-def with_scratch(
-    rec: Recording, highs: _Highs, event_marks: list[int], save_marks: dict[Node, int]
-) -> None:
-    """Raise each peak of ``rec`` (its events', its last saves') to what the CPU allocator
-    saw in the stretch it ends: the live bytes at the event before plus the allocator's rise
-    since (``event_marks``, ``save_marks``: the allocator's marks there). The rise counts the
-    transient buffers a kernel allocates and frees inside one op, which no op returns and the
-    tracker does not see. Within a stretch a recompute frees the same bytes at every moment,
-    so a peak lowered by what it frees stays the device's."""
-    events, before = rec.events, 0
-    for i, (kind, node, peak, now) in enumerate(events):
-        rise = highs.rise(event_marks[i - 1] if i else -1, event_marks[i])
-        events[i] = (kind, node, max(peak, before + rise), now)
-        before = now
-    for node, (count, peak) in rec.last_save.items():
-        since = events[count - 1][3] if count else 0
-        rise = highs.rise(event_marks[count - 1] if count else -1, save_marks[node])
-        rec.last_save[node] = (count, max(peak, since + rise))
-
-
 def _call_of(node: Node, k: int, inputs: tuple[TensorInfo, ...] = ()) -> Node:
     """A node for the ``k``-th call of ``node``'s module (named ``path@k`` until the step is
     done), with no children yet."""
@@ -608,8 +574,9 @@ def record_step(
             recording = rec.finish()
             recording.dies_at = deaths_by_key(rec.costs.order, rec.costs.made_at, deaths)
         if rec.allocator is not None:
-            highs = _Highs(rec.allocator, rec.made)
-            with_scratch(recording, highs, rec.event_marks, rec.save_marks)
+            highs = Highs(rec.allocator, rec.made)
+            with_scratch(recording.events, recording.last_save, highs, rec.event_marks,
+                         rec.save_marks)  # fmt: skip
     finally:
         for h in handles + rec.grad_hooks:
             h.remove()

@@ -18,7 +18,8 @@ from autoremat.core.sizes import Budget, format_size
 from autoremat.costs.profile import Profile
 from autoremat.planning.choice import OBJECTIVES, Choice
 from autoremat.planning.planning_tree import planning_tree, recompute_seconds
-from autoremat.planning.solver import Infeasible, Item, min_peak, predict_peak, solve
+from autoremat.planning.prediction import predict_peak
+from autoremat.planning.solver import Infeasible, Item, min_peak, solve
 from autoremat.planning.strategy import Request, Strategy, left_out_warning
 
 __all__ = [
