@@ -15,6 +15,7 @@ import torch
 from autoremat.cli.arguments import loss_from_output, parse_budget_arg
 from autoremat.cli.commands import main
 from autoremat.cli.targets import CliError
+from autoremat.core.sizes import format_size
 
 TINY = """
 import torch
@@ -218,6 +219,27 @@ def test_plan_takes_a_fraction_and_prints_sizes(tiny, capsys):
     assert main(["plan", tiny, "--budget", "0.95", "--measure"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"\nmeasured peak \d+\.\d\d KiB \(predicted \d+\.\d\d KiB, error ", out)
+
+
+@pytest.mark.slow
+def test_plan_takes_autocast_and_measures_under_it(capsys):
+    """``--autocast bf16`` plans and measures the step as it will train (forward and loss
+    under bf16 autocast): the figures ``plan(..., autocast=torch.bfloat16)`` gives."""
+    import autoremat
+    from autoremat.cli.targets import load_target
+
+    assert main(["plan", "mlp", "--budget", "50%", "--objective", "flops", "--measure",
+                 "--autocast", "bf16"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    model, args, kwargs = load_target("mlp")
+    chosen = autoremat.plan(
+        model, args, kwargs, budget=0.5, objective="flops", autocast=torch.bfloat16
+    )
+    fp32 = autoremat.plan(model, args, kwargs, budget=0.5, objective="flops")
+    assert chosen.baseline_peak != fp32.baseline_peak
+    assert chosen.estimated_peak is not None
+    assert f"predicted peak {format_size(chosen.estimated_peak)}" in out
+    assert "error +0.0%); within the budget" in out
 
 
 def test_bad_budget_is_one_line_in_cli_words(capsys):

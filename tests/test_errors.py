@@ -227,6 +227,18 @@ def test_the_planner_returns_its_warnings_and_plan_logs_them(
     assert autoremat.plan(model, inputs, budget="100%").warnings.keys() == {"left_out"}
 
 
+def test_a_budget_of_a_few_bytes_or_below_zero_says_what_it_may_have_meant() -> None:
+    """``"50"`` is 50 bytes (too low for any plan): the refusal offers ``"50%"``; ``"-1"`` is
+    refused as negative."""
+    with pytest.raises(autoremat.BudgetTooLow, match=r"for 50 percent, give '50%'"):
+        autoremat.plan(Net(), (x(),), budget="50")
+    with pytest.raises(autoremat.BudgetTooLow) as far:
+        autoremat.plan(Net(), (x(),), budget=1000)
+    assert "percent" not in str(far.value)
+    with pytest.raises(ValueError, match=r"budget '-1' is negative"):
+        autoremat.plan(Net(), (x(),), budget="-1")
+
+
 def test_the_library_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     model = Net()
     plan = autoremat.plan(model, (x(),), budget="85%")

@@ -16,6 +16,7 @@ from autoremat.planning.strategies.levels import DEFAULT_SEGMENTS
 from autoremat.record.step import LossFn
 
 __all__ = [
+    "AUTOCAST",
     "LOSS_HELP",
     "at_least",
     "below_lowest",
@@ -24,6 +25,8 @@ __all__ = [
     "loss_from_output",
     "parse_budget_arg",
 ]
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --autocast's values
 
 LOSS_HELP = (
     "the loss in the model's output: a key or attribute (loss) or a position (1: the second "
@@ -77,6 +80,8 @@ def below_lowest(exc: BudgetTooLow, text: str, value: int | float | str, model: 
     asked = text
     if isinstance(value, float) or str(value).endswith("%"):
         asked += f" ({format_size(parse_budget(value, exc.baseline))})"
+    if isinstance(value, int) and value <= 100:
+        asked += f" (whole bytes: for {value} percent, give {value}%)"
     return (
         f"budget {asked} is below the lowest peak {model} reaches, {format_size(exc.lowest)} "
         f"({exc.lowest / exc.baseline:.0%} of {format_size(exc.baseline)} without recompute)"

@@ -15,10 +15,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from autoremat.cli.arguments import (
+    AUTOCAST,
     at_least,
     below_lowest,
     check_segments,
@@ -52,17 +52,20 @@ def _budget_plan(
     error that suggests one that works."""
     value = parse_budget_arg(ns.budget)
     try:
-        return plan(model, args, kwargs, budget=value, objective=ns.objective, loss_fn=loss_fn)
+        return plan(model, args, kwargs, budget=value, objective=ns.objective, loss_fn=loss_fn,
+                    autocast=AUTOCAST.get(ns.autocast or ""))  # fmt: skip
     except BudgetTooLow as exc:
         start = below_lowest(exc, ns.budget, value, type(model).__name__)
         raise CliError(f"{start}; try --budget {at_least(exc.lowest)}") from None
 
 
-def _measured(chosen: Plan, model: nn.Module, args: Any, kwargs: Any, loss_fn: Any) -> str:
-    """The measured step peak of ``chosen`` applied to a copy of ``model``, against its
-    prediction."""
+def _measured(
+    chosen: Plan, model: nn.Module, args: Any, kwargs: Any, loss_fn: Any, autocast: Any
+) -> str:
+    """The measured step peak of ``chosen`` applied to a copy of ``model`` (under
+    ``autocast``), against its prediction."""
     wrapped = chosen.apply(copy.deepcopy(model))
-    peak = measure(wrapped, args, kwargs, loss_fn=loss_fn).peak
+    peak = measure(wrapped, args, kwargs, loss_fn=loss_fn, autocast=autocast).peak
     line = f"measured peak {format_size(peak)}"
     if chosen.estimated_peak is not None:
         error = (chosen.estimated_peak - peak) / peak
@@ -86,7 +89,7 @@ def _plan_command(ns: argparse.Namespace) -> int:
         chosen = _budget_plan(model, args, kwargs, ns, loss_fn)
         print(chosen.summary())
     if ns.measure:
-        print(_measured(chosen, model, args, kwargs, loss_fn))
+        print(_measured(chosen, model, args, kwargs, loss_fn, AUTOCAST.get(ns.autocast or "")))
     return 0
 
 
@@ -113,7 +116,7 @@ def _fit_command(ns: argparse.Namespace) -> int:
         max_batch=ns.max_batch,
         verify=not ns.no_verify,
         reserve=int(ns.reserve) if ns.reserve.isdigit() else ns.reserve,
-        autocast={"bf16": torch.bfloat16, "fp16": torch.float16}.get(ns.autocast or ""),
+        autocast=AUTOCAST.get(ns.autocast or ""),
         world_size=ns.world_size,
         sharding=ns.sharding,
         fsdp_units=None if ns.fsdp_units is None else ns.fsdp_units.split(","),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
-from autoremat.cli.arguments import LOSS_HELP
+from autoremat.cli.arguments import AUTOCAST, LOSS_HELP
 from autoremat.cli.demo import DEFAULT_ROUNDS
 from autoremat.cli.targets import CliError
 from autoremat.core.sizes import BUDGET_FORMS
@@ -131,6 +131,12 @@ def _add_plan(p_plan: argparse.ArgumentParser) -> None:
         "--measure", action="store_true", help="apply the plan to a copy and measure its peak"
     )
     p_plan.add_argument("--loss", metavar="WHERE", help=LOSS_HELP)
+    _add_autocast(p_plan, "profile and measure the step with forward and loss under "
+                  "torch.autocast with this dtype, as it will train")  # fmt: skip
+
+
+def _add_autocast(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--autocast", choices=tuple(AUTOCAST), default=None, help=help)
 
 
 def _add_demo(p_demo: argparse.ArgumentParser) -> None:
@@ -194,12 +200,7 @@ def _add_fit(p_fit: argparse.ArgumentParser) -> None:
         help="memory the step leaves free (a size, 1GiB): for a loop that keeps the last output "
         "alive through the next forward, or another process (default 0)",
     )
-    p_fit.add_argument(
-        "--autocast",
-        choices=("bf16", "fp16"),
-        default=None,
-        help="train under torch.autocast with this dtype (sized on meta with its casts)",
-    )
+    _add_autocast(p_fit, "train under torch.autocast with this dtype (sized on meta, casts too)")
     p_fit.add_argument(
         "--batch-dim",
         type=int,

@@ -98,6 +98,8 @@ def _parse_text(budget: str) -> Budget:
                 f"budget {budget!r}: a percentage must be in (0, 100]; use {BUDGET_FORMS}"
             )
         return Budget(fraction=percent / 100.0, given=budget)
+    if text.startswith("-"):
+        raise ValueError(f"budget {budget!r} is negative: a budget is above 0; use {BUDGET_FORMS}")
     match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)", text)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"budget {budget!r} is not understood; use {BUDGET_FORMS}")

@@ -28,8 +28,6 @@ the reasoning and the measured error; in short, for a node checkpointed:
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,6 +52,7 @@ __all__ = [
     "held_from",
     "kept_cached",
     "kept_cost",
+    "kept_let_go",
     "lowest_common",
     "recasts",
     "recompute_peak",
@@ -249,6 +248,22 @@ def kept_cost(rec: Recording, node: Node, kept: Storages) -> int:
     return lost
 
 
+def kept_let_go(rec: Recording, node: Node, kept: Storages) -> int:
+    """Bytes of the kept storages that a selective recompute of ``node`` holds in its cache
+    when the recompute begins, where the step without recompute had let them go: saved by
+    later ops outside the node only (not in :func:`kept_cost`), whose backward ran first."""
+    begins = rec.unpack_events.get(node)
+    if begins is None:
+        return 0
+    return sum(
+        size
+        for uid, (key, size) in kept.items()
+        if key not in rec.input_keys[node]
+        and not all(rec.within(p, node) for p in rec.kept_savers.get(uid, ()))
+        and rec.kept_freed.get(uid, begins + 1) <= begins
+    )
+
+
 def kept_cached(rec: Recording, node: Node, kept: Storages) -> int:
     """The bytes of :func:`cached_bytes` of ``node`` that a selective recompute keeping
     ``kept`` does not free (kept casts saved only inside it)."""
@@ -292,7 +307,7 @@ def _kept_from(rec: Recording, line: Timeline, uid: int, key: int) -> int | None
     born = rec.born[uid]
     if key not in rec.dies_at:  # (not known: from when it was made)
         return line.ended_before[born]
-    costs = rec.costs_from(key, born)
+    costs = rec.costs_from(key, born, rec.born_nth.get(uid))
     if costs is None or costs >= len(line.ended_before):
         return None
     return line.ended_before[costs]
@@ -304,21 +319,35 @@ def recompute_peak(rec: Recording, line: Timeline, node: Node, freed: int, kept:
     those of the step without recompute less ``freed``; then, at each moment of its forward up
     to its last save (where checkpoint's early stop ends the recompute), plus what the forward
     had added since the node began, less the kept outputs made before that moment (in the
-    cache from the start, so counted already)."""
+    cache from the start, so counted already). A stretch in which kept outputs are made is cut
+    at each of their ops (:attr:`Recording.born_after`: its peak before the op), so that an
+    output is not counted twice after it was made."""
     if node not in line.backward_now:
         return 0
     events = rec.events
-    made = sorted((rec.born[uid], size) for uid, (_, size) in kept.items())
-    borns = [b for b, _ in made]
-    before = [0, *itertools.accumulate(size for _, size in made)]
     first, last = line.events[node]
     stop, high = rec.last_save.get(node, (first + 1, events[first][3]))
-    moments = [(i, events[i][2]) for i in range(first + 1, min(stop, last + 1))]
-    began = events[first][3]
-    most = max(
-        b - began - before[bisect.bisect_left(borns, i)] for i, b in [*moments, (stop, high)]
+    saved = rec.saved_after.get(node)
+    births = sorted(
+        (rec.born[uid], *rec.born_after.get(uid, (-1, 0)), size)
+        for uid, (_, size) in kept.items()
     )
-    return line.backward_now[node] - freed + most
+    began = events[first][3]
+    stretches = [(i, events[i][2]) for i in range(first + 1, min(stop, last + 1))]
+    most, gone, b = 0, 0, 0
+    for i, peak in [*stretches, (stop, high)]:
+        while b < len(births) and births[b][0] < i:  # (made before the recompute's stretches)
+            gone += births[b][3]
+            b += 1
+        while b < len(births) and births[b][0] == i:
+            _, ops, before, size = births[b]
+            if i == stop and (saved is None or ops < 0 or ops >= saved):
+                break  # made after the last save (or not known when): not subtracted
+            most = max(most, (before if ops >= 0 else peak) - began - gone)
+            gone += size
+            b += 1
+        most = max(most, peak - began - gone)
+    return line.backward_now[node] - freed + kept_let_go(rec, node, kept) + most
 
 
 def cast_reads_within(rec: Recording) -> dict[Node, Reads]:

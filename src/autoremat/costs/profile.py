@@ -57,7 +57,7 @@ from autoremat.costs.model import Recast, Run, Storages
 from autoremat.costs.shared_casts import LateGroups, late_casts, shared_casts
 from autoremat.costs.timeline import Timeline, timeline
 from autoremat.record.recording import Recording, record_step
-from autoremat.record.step import Autocast, LossFn, ambient_autocast, autocast_spec
+from autoremat.record.step import Autocast, LossFn, no_ambient_autocast, step_autocast
 from autoremat.record.timing import DEFAULT_OVERHEADS, overheads, time_forward
 from autoremat.record.tree import Node, build_tree
 
@@ -342,8 +342,8 @@ def profile(
         )
     if memory not in PROFILE_MEMORY:
         raise ValueError(f"memory must be one of {PROFILE_MEMORY}, got {memory!r}")
-    autocast = autocast_spec(autocast, model) or ambient_autocast()
-    with _no_ambient_autocast(), switched_off(model) as own:
+    autocast = step_autocast(autocast, model)
+    with no_ambient_autocast(), switched_off(model) as own:
         if own:
             logger.warning("%s", turned_off_message(type(model).__name__, own, "for the profile"))
         return _profile(model, args, kwargs, loss_fn, autocast, hf_cache, memory, timed)
@@ -361,15 +361,6 @@ def _check_allocator(memory: str, tensors: list[torch.Tensor]) -> None:
             f"this one runs on {', '.join(sorted(where - {'cpu'}))}: use memory='tensors' "
             f"(on CUDA, autoremat.DeviceModel prices the allocator's share)"
         )
-
-
-def _no_ambient_autocast() -> Any:
-    """Autocast off for ``cpu`` and ``cuda`` (the profile turns it on where the step runs)."""
-    stack = contextlib.ExitStack()
-    for device_type in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(device_type):
-            stack.enter_context(torch.autocast(device_type, enabled=False))
-    return stack
 
 
 def _profile(

@@ -36,6 +36,7 @@ model forced eager): the compiled graphs may recompute other ops.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,14 @@ from autoremat.core.sizes import format_size
 from autoremat.record.compiled import is_compiled, running_eagerly
 from autoremat.record.memory import CpuAllocatorMemory, CudaMemory, LiveMemory
 from autoremat.record.snapshot import preserved
-from autoremat.record.step import LossFn, autocast_spec, default_loss, leaf_inputs, train_step
+from autoremat.record.step import (
+    LossFn,
+    default_loss,
+    leaf_inputs,
+    no_ambient_autocast,
+    step_autocast,
+    train_step,
+)
 
 __all__ = ["MEMORY", "Measurement", "measure"]
 
@@ -110,7 +118,8 @@ def measure(
     ``repeats`` times without either (for ``seconds``). Every run starts from the same global RNG
     state, so dropout draws the same masks in each, and from ``.grad = None`` also for leaf inputs
     requiring grad. ``args`` may be a single tensor. ``autocast`` (a dtype, or ``(device_type,
-    dtype)``): forward and loss under autocast.
+    dtype)``; ``None`` inside an autocast region: the region's): forward and loss under
+    autocast, backward outside, as a budget assumes.
 
     The model is left as found (buffers, the ``.grad`` of parameters and of leaf inputs,
     training flags, the global RNG state), also when the step raises (no optimizer runs).
@@ -130,11 +139,9 @@ def measure(
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     inputs = leaf_inputs(args, kwargs)
-    loss, cast = loss_fn or default_loss, autocast_spec(autocast, model)
+    loss, cast = loss_fn or default_loss, step_autocast(autocast, model)
 
-    def run(after_forward: Any = None) -> None:
-        train_step(model, args, kwargs, loss, after_forward=after_forward, autocast=cast)
-
+    run = functools.partial(_step, model, args, kwargs, loss, cast)
     # Memory and FLOPs come from two runs: FlopCounterMode's module tracker keeps the autograd
     # nodes of checkpoint recomputes alive (their recomputed activations with them) until it
     # exits, which would inflate a checkpointed model's peak.
@@ -150,6 +157,14 @@ def measure(
         flops=flops.get_total_flops(),
         seconds=_median_seconds(run, model, inputs, cuda, repeats),
     )
+
+
+def _step(model: nn.Module, args: Any, kwargs: Any, loss: LossFn, cast: Any,
+          after_forward: Any = None) -> None:  # fmt: skip
+    """One step as :func:`measure` runs it, outside the caller's autocast region (forward
+    and loss in a region of their own: :func:`~autoremat.record.step.step_autocast`)."""
+    with no_ambient_autocast():
+        train_step(model, args, kwargs, loss, after_forward=after_forward, autocast=cast)
 
 
 def _tracker(memory: str, model: nn.Module, cuda: bool) -> Any:

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from autoremat.record.forward_liveness import (
     new_storages,
 )
 from autoremat.record.memory import CpuAllocatorMemory, LiveMemory
-from autoremat.record.scratch import Highs, with_scratch
+from autoremat.record.scratch import Highs, births_with_scratch, with_scratch
 from autoremat.record.snapshot import preserved
 from autoremat.record.step import Autocast, LossFn, autocast_for, leaf_inputs, train_step
 from autoremat.record.tree import Node, TensorInfo, tensor_infos
@@ -137,25 +138,38 @@ class Recording:
     # storage key -> the event count each time a storage with that key was made (a freed
     # storage's key can be reused)
     made_at: dict[int, list[int]] = field(default_factory=dict)
+    # finer than events, inside a stretch: kept output id -> (the ops the step had run before
+    # the op that made it, the stretch's peak then: the most live bytes from the event before
+    # up to that op); node -> the ops run at its forward's last save
+    born_after: dict[int, tuple[int, int]] = field(default_factory=dict)
+    saved_after: dict[Node, int] = field(default_factory=dict)
+    # kept output id -> the event count when the step without recompute freed it
+    kept_freed: dict[int, int] = field(default_factory=dict)
+    # kept output id -> its place among the storages made with its key (``made_at``)
+    born_nth: dict[int, int] = field(default_factory=dict)
 
-    def died(self, key: int, born: int | None = None) -> int | None:
+    def died(self, key: int, born: int | None = None, nth: int | None = None) -> int | None:
         """The event after which the storage with ``key`` made at ``born`` (``None``: the last
-        with that key) adds to no moment's peak of a forward that saved nothing; ``None`` when
-        it lived on, or nothing is known of it."""
-        death = self._death(key, born)
+        with that key; two made in one stretch, the later: the earlier was freed for it; or
+        ``nth``, the storage's place among those made with that key) adds to no moment's peak
+        of a forward that saved nothing; ``None`` when it lived on, or nothing is known."""
+        death = self._death(key, born, nth)
         return death[0] if death else None
 
-    def costs_from(self, key: int, born: int | None = None) -> int | None:
+    def costs_from(self, key: int, born: int | None = None, nth: int | None = None) -> int | None:
         """The event whose stretch is the first in which keeping that storage alive past its
         death in a forward that saved nothing raises the most live bytes (:meth:`died`)."""
-        death = self._death(key, born)
+        death = self._death(key, born, nth)
         return death[1] if death else None
 
-    def _death(self, key: int, born: int | None) -> Death | None:
+    def _death(self, key: int, born: int | None, nth: int | None) -> Death | None:
         lives = self.dies_at.get(key, [])
+        if nth is not None:
+            return lives[nth][1] if nth < len(lives) else None
         if born is None:
             return lives[-1][1] if lives else None
-        return next((death for made, death in lives if made == born), None)
+        found = [death for made, death in lives if made == born]
+        return found[-1] if found else None
 
     @functools.cached_property
     def family(self) -> tuple[dict[Node, Node | None], dict[Node, int]]:
@@ -182,11 +196,13 @@ class OpCosts(TorchDispatchMode):
         clock: Callable[[], int],
         preexisting: frozenset[int] = frozenset(),
         cast_dtype: torch.dtype | None = None,
+        moment: Callable[[], tuple[int, int]] = lambda: (0, -1),
     ) -> None:
         super().__init__()
         self.stack = stack
         self.own = own
         self.clock = clock
+        self.moment = moment  # (the stretch's peak so far, the allocator's mark) now
         self.preexisting = preexisting  # storage keys of parameters, buffers and inputs
         self.cast_dtype = cast_dtype  # the autocast's lower precision (None: no autocast)
         self.cached: set[int] = set()  # storage keys of the casts autocast's cache keeps
@@ -195,6 +211,13 @@ class OpCosts(TorchDispatchMode):
         self.casts: dict[int, tuple[int, Node]] = {}
         self.cast_reads: dict[Node, dict[int, tuple[int, Node]]] = defaultdict(dict)
         self.born: dict[int, int] = {}  # kept output id -> the clock when it was made
+        self.born_nth: dict[int, int] = {}  # kept output id -> its key's storages before it
+        # kept output id -> (ops run before the op that made it, the stretch's peak before
+        # that op, the allocator's mark then)
+        self.born_after: dict[int, tuple[int, int, int]] = {}
+        self.freed: dict[int, int] = {}  # kept output id -> the clock when it was freed
+        self.watches: list[weakref.finalize] = []
+        self.ops = 0  # ops run while counting
         self.changed: set[int] = set()  # kept output ids changed in place after
         self.counting = True
         self.keep = {way: resolve(ops) for way, ops in WAYS.items()}
@@ -208,9 +231,12 @@ class OpCosts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         if not self.counting:
-            return out
+            return func(*args, **kwargs)
+        ways = [way for way, packets in self.keep.items() if keeps(func, args, kwargs, packets)]
+        before = (self.ops, *self.moment()) if ways else None
+        out = func(*args, **kwargs)
+        self.ops += 1
         own = self.own[self.stack[-1]]
         if func._schema.is_mutable:
             self._changes(func, args, kwargs)
@@ -229,7 +255,9 @@ class OpCosts(TorchDispatchMode):
         own.flops += flops
         own.written += written
         own.ops += 1
-        self._keep(func, args, kwargs, own, flops, written, new)
+        if before is not None:
+            self._keep(ways, before, own, flops, written, new)
+            self._watch(out, new)
         return out
 
     def _casts(
@@ -262,6 +290,28 @@ class OpCosts(TorchDispatchMode):
             and not source._is_view()
         )
 
+    def _watch(self, out: Any, new: dict[int, int]) -> None:
+        """Note, in :attr:`freed`, when the kept outputs among ``out``'s new storages ``new``
+        are freed."""
+        watched: set[int] = set()
+        for _, t in iter_tensors(out):
+            key = storage_key(t)
+            if key in new and key not in watched and (uid := self.current.get(key)) is not None:
+                watched.add(key)
+                watch = weakref.finalize(t.untyped_storage(), self._free, uid)
+                watch.atexit = False
+                self.watches.append(watch)
+
+    def _free(self, uid: int) -> None:
+        self.freed[uid] = self.clock()
+
+    def unwatch(self) -> None:
+        """Stop watching the kept outputs still alive (the step is over: none outlives it
+        holding this mode)."""
+        for watch in self.watches:
+            watch.detach()
+        self.watches.clear()
+
     def _changes(self, func: Any, args: Any, kwargs: Any) -> None:
         """Note the kept outputs that ``func`` writes to in place (``add_``, ``out=``)."""
         given = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
@@ -272,19 +322,22 @@ class OpCosts(TorchDispatchMode):
                     if uid is not None:
                         self.changed.add(uid)
 
-    def _keep(self, func: Any, args: Any, kwargs: Any, own: OwnOps, flops: int, written: int,
-              new: dict[int, int]) -> None:  # fmt: skip
+    def _keep(self, ways: list[str], before: tuple[int, int, int], own: OwnOps, flops: int,
+              written: int, new: dict[int, int]) -> None:  # fmt: skip
+        """Note the outputs ``new`` of an op that the selective ``ways`` keep (``before``: when
+        the op began, as :attr:`born_after` has it)."""
         uids: dict[int, int] = {}
-        for way, packets in self.keep.items():
-            if keeps(func, args, kwargs, packets):
-                kept = own.kept[way]
-                kept.flops += flops
-                kept.written += written
-                for key, size in new.items():
-                    if key not in uids:
-                        self.current[key] = uids[key] = next(self.ids)
-                        self.born[uids[key]] = self.clock()
-                    kept.storages[uids[key]] = (key, size)
+        for way in ways:
+            kept = own.kept[way]
+            kept.flops += flops
+            kept.written += written
+            for key, size in new.items():
+                if key not in uids:
+                    self.current[key] = uids[key] = next(self.ids)
+                    self.born[uids[key]] = self.clock()
+                    self.born_nth[uids[key]] = len(self.made_at[key]) - 1
+                    self.born_after[uids[key]] = before
+                kept.storages[uids[key]] = (key, size)
 
 
 def lineage(tree: Node) -> tuple[dict[Node, Node | None], dict[Node, int]]:
@@ -352,12 +405,15 @@ class _Recorder:
             lambda: len(self.rec.events),
             self.preexisting,
             cast_dtype,
+            lambda: (self.memory.peak, self.snap()),
         )
         self.rec.born = self.costs.born
         self.rec.changed = self.costs.changed
         self.rec.cast_reads = self.costs.cast_reads
         self.rec.cached_casts = self.costs.cached
         self.rec.made_at = self.costs.made_at
+        self.rec.kept_freed = self.costs.freed
+        self.rec.born_nth = self.costs.born_nth
 
     def snap(self) -> int:
         """A mark in the allocator's events (the number of marks before; -1 without)."""
@@ -379,6 +435,7 @@ class _Recorder:
             made = self.snap()
             while node is not None:
                 rec.last_save[node] = (len(rec.events), self.memory.peak)
+                rec.saved_after[node] = self.costs.ops
                 if made >= 0:
                     self.save_marks[node] = made
                 node = self.parent[node]
@@ -501,6 +558,7 @@ class _Recorder:
         """The recording, each call named as a profile names it: ``path@k`` when its module
         ran several times, its path when once."""
         self.mark("done", self.root)
+        self.costs.unwatch()
         for call in self.calls:
             call.calls = self.count[id(call.module)]
             if call.calls == 1:
@@ -573,10 +631,13 @@ def record_step(
                 )
             recording = rec.finish()
             recording.dies_at = deaths_by_key(rec.costs.order, rec.costs.made_at, deaths)
-        if rec.allocator is not None:
-            highs = Highs(rec.allocator, rec.made)
+        highs = Highs(rec.allocator, rec.made) if rec.allocator is not None else None
+        if highs is not None:
             with_scratch(recording.events, recording.last_save, highs, rec.event_marks,
                          rec.save_marks)  # fmt: skip
+        recording.born_after = births_with_scratch(
+            recording.events, recording.born, rec.costs.born_after, highs, rec.event_marks
+        )
     finally:
         for h in handles + rec.grad_hooks:
             h.remove()

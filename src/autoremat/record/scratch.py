@@ -9,7 +9,7 @@ from __future__ import annotations
 from autoremat.record.memory import CpuAllocatorMemory
 from autoremat.record.tree import Node
 
-__all__ = ["Highs", "with_scratch"]
+__all__ = ["Highs", "births_with_scratch", "with_scratch"]
 
 
 class Highs:
@@ -49,3 +49,23 @@ def with_scratch(
         since = events[count - 1][3] if count else 0
         rise = highs.rise(event_marks[count - 1] if count else -1, save_marks[node])
         last_save[node] = (count, max(peak, since + rise))
+
+
+def births_with_scratch(
+    events: list[tuple[str, Node, int, int]],
+    born: dict[int, int],
+    born_after: dict[int, tuple[int, int, int]],
+    highs: Highs | None,
+    event_marks: list[int],
+) -> dict[int, tuple[int, int]]:
+    """Each kept output's ``(ops before the op that made it, the stretch's peak before that
+    op)``, that peak raised as :func:`with_scratch` raises a stretch's (``born_after``: the
+    allocator's mark before the op last; ``highs`` ``None``: no allocator watched)."""
+    found = {}
+    for uid, (ops, peak, mark) in born_after.items():
+        count = born[uid]
+        if highs is not None and mark >= 0:
+            since = events[count - 1][3] if count else 0
+            peak = max(peak, since + highs.rise(event_marks[count - 1] if count else -1, mark))
+        found[uid] = (ops, peak)
+    return found

@@ -28,6 +28,8 @@ __all__ = [
     "check_loss",
     "default_loss",
     "leaf_inputs",
+    "no_ambient_autocast",
+    "step_autocast",
     "train_step",
 ]
 
@@ -150,6 +152,24 @@ def ambient_autocast() -> Autocast | None:
         if torch.is_autocast_enabled(device_type):
             return device_type, torch.get_autocast_dtype(device_type)
     return None
+
+
+def step_autocast(value: Any, model: nn.Module) -> Autocast | None:
+    """``autocast=`` as :func:`autocast_spec` makes it; when ``None``, the region the caller
+    runs in (:func:`ambient_autocast`). Every step autoremat runs, profiled or measured, runs
+    inside :func:`no_ambient_autocast` with forward and loss under that autocast and backward
+    outside, so a budget means the same inside a caller's region as with ``autocast=``."""
+    return autocast_spec(value, model) or ambient_autocast()
+
+
+def no_ambient_autocast() -> contextlib.ExitStack:
+    """Autocast off for ``cpu`` and ``cuda`` while a step runs (the step turns it on again
+    around its forward and loss, in a region of its own whose cast cache it empties)."""
+    stack = contextlib.ExitStack()
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
 
 
 def leaf_inputs(args: Any, kwargs: Any) -> list[torch.Tensor]:

@@ -164,8 +164,13 @@ def tensor_infos(obj: Any, where: str) -> list[TensorInfo]:
 
 
 class ExampleInputsError(ValueError, RuntimeError):
-    """The example inputs failed in the model's forward; the message names the module where.
-    A ``ValueError`` (a bad argument), and a ``RuntimeError`` like the error it wraps."""
+    """The example inputs failed in the model's forward; the message names the module where
+    (``where``: its path, ``""`` for the root; the error itself is ``__cause__``). A
+    ``ValueError`` (a bad argument), and a ``RuntimeError`` like the error it wraps."""
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.where = where
 
 
 def build_tree(
@@ -226,7 +231,8 @@ def _run(calls: _Calls, model: nn.Module, args: Any, kwargs: Any) -> None:
         raise ExampleInputsError(
             f"the example inputs failed in the forward pass of module "
             f"{where or '(root)'!r} ({type(exc).__name__}: {exc}); pass args/kwargs "
-            f"that model(*args, **kwargs) accepts"
+            f"that model(*args, **kwargs) accepts",
+            where,
         ) from exc
     calls.check.finish()  # before the model's state is put back
 

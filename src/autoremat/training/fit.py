@@ -37,7 +37,7 @@ from autoremat.core.sizes import format_size
 from autoremat.planning.plan import plan_from_profile
 from autoremat.planning.plans import Plan
 from autoremat.record.memory import cpu_allocator_countable
-from autoremat.record.step import Autocast, LossFn, StepHow, autocast_spec
+from autoremat.record.step import Autocast, LossFn, StepHow, step_autocast
 from autoremat.training.device_model import DeviceModel, available_memory, device_model
 from autoremat.training.measure_training import TrainingMeasurement, measure_training
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
@@ -114,11 +114,12 @@ class Fit:
         ]
         if self.chosen is not None:
             lines += ["predicted memory:", str(self.chosen.memory)]
+            kept = self.chosen.output_bytes  # (not named when a few bytes: a loss alone)
             lines.append(
-                f"assumed: each step's tensors are freed before the next forward; a loop that "
-                f"keeps the output alive through it needs {format_size(self.chosen.output_bytes)} "
-                f"more (reserve=..., --reserve)"
-            )
+                "assumed: each step's tensors are freed before the next forward"
+                + (f"; a loop that keeps the output alive through it needs {format_size(kept)} "
+                   f"more (reserve=..., --reserve)" if kept * 1000 >= self.device.limit else "")
+            )  # fmt: skip
         if self.by_allocator:
             tried = ", ".join(map(str, sorted(self.by_allocator)))
             lines.append(f"sized from real steps by the CPU allocator (kernels' scratch counted) "
@@ -182,7 +183,7 @@ def fit(
     if objective not in FIT_OBJECTIVES:
         raise ValueError(f"objective must be one of {FIT_OBJECTIVES}, got {objective!r}")
     dm = device_model(device_memory, model_device(model), reserve)
-    spec = autocast_spec(autocast, model)
+    spec = step_autocast(autocast, model)
     ranks = sharding_of(model, world_size, sharding, fsdp_units, reshard_after_forward)
     prober = _prober(model, make_inputs, optimizer, dm, (loss_fn, spec), selective, ranks)
     prober, top, without = _sized(prober, max_batch, verify and ranks is None)

@@ -31,7 +31,15 @@ from autoremat.core.nested import tensor_bytes
 from autoremat.core.sizes import format_size
 from autoremat.record.memory import CpuAllocatorMemory, LiveMemory, cpu_allocator_countable
 from autoremat.record.snapshot import modules_kept
-from autoremat.record.step import Autocast, LossFn, StepHow, autocast_spec, default_loss, train_step
+from autoremat.record.step import (
+    Autocast,
+    LossFn,
+    StepHow,
+    default_loss,
+    no_ambient_autocast,
+    step_autocast,
+    train_step,
+)
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_factory
 
 __all__ = ["TrainingMeasurement", "measure_training"]
@@ -86,10 +94,11 @@ def measure_training(
         raise ValueError(f"steps must be >= 1, got {steps}")
     make = optimizer_factory(optimizer)
     loss_fn = default_loss if loss_fn is None else loss_fn
+    how: StepHow = (loss_fn, step_autocast(autocast, model))  # (before the region is off)
     saved = _Saved(model)
     try:
-        with torch.random.fork_rng(devices=_cuda_devices(model)), modules_kept(model):
-            how: StepHow = (loss_fn, autocast_spec(autocast, model))
+        with torch.random.fork_rng(devices=_cuda_devices(model)), modules_kept(model), \
+                no_ambient_autocast():
             return _run(model, args, kwargs or {}, make, how, steps)
     finally:
         saved.restore()

@@ -15,7 +15,7 @@ from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.planning.plans import Plan
 from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.record.memory import cpu_allocator_countable
-from autoremat.record.step import Autocast, LossFn, autocast_spec
+from autoremat.record.step import Autocast, LossFn, step_autocast
 from autoremat.training.device_model import device_model
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
 from autoremat.training.per_rank import RankStep, ShardingLike, plan_for_rank
@@ -58,7 +58,7 @@ def plan_for_device(
             lowest peak (activations).
     """
     device = model_device(model)
-    spec = autocast_spec(autocast, model)
+    spec = step_autocast(autocast, model)
     ranks = sharding_of(model, world_size, sharding, fsdp_units, reshard_after_forward)
     if ranks is not None:
         prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec)

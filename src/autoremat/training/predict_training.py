@@ -11,7 +11,7 @@ from torch import nn
 from autoremat.core.devices import model_device
 from autoremat.costs.profile import profile
 from autoremat.planning.plans import Plan
-from autoremat.record.step import Autocast, LossFn, autocast_spec
+from autoremat.record.step import Autocast, LossFn, step_autocast
 from autoremat.training.device_model import device_model
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
 from autoremat.training.per_rank import RankStep, ShardingLike, rank_step_memory
@@ -55,7 +55,7 @@ def predict_training(
     """
     spec = sharding_of(model, world_size, sharding, fsdp_units, reshard_after_forward)
     if spec is not None:
-        cast = autocast_spec(autocast, model)
+        cast = step_autocast(autocast, model)
         prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=cast)
         rank = RankStep(model, (args, kwargs or {}), prof, spec, optimizer, loss_fn, cast)
         dm = None if device_memory is None else device_model(device_memory, model_device(model))

@@ -25,7 +25,7 @@ from autoremat.record.tree import ExampleInputsError
 from autoremat.training.device_model import DeviceModel
 from autoremat.training.optimizer_memory import OptimizerMemory
 from autoremat.training.plan_for_device import plan_fitting
-from autoremat.training.scaled_profile import NotScalable, ScaledProfiles
+from autoremat.training.scaled_profile import WINDOWS, NotScalable, ScaledProfiles
 from autoremat.training.shadow import meta_shadow
 from autoremat.training.step_memory import (
     StepMemory,
@@ -132,12 +132,13 @@ class Prober:
                 if model_device(self.model).type == "meta":
                     raise
                 first = self.real(batch)  # (its own error, when the real step fails too)
-                self.not_on_meta = str(exc).splitlines()[0][:200]
+                self.not_on_meta = _why_not_on_meta(exc)
                 self.scaled = ScaledProfiles(self.real, batch, first)
                 logger.warning(
                     "fit: %s cannot be sized on meta (%s): sizing it from real steps on %s "
-                    "at batches %d, %d and %d, scaled", type(self.model).__name__,
+                    "at batches %d, %d and %d (up to %d), scaled", type(self.model).__name__,
                     self.not_on_meta, model_device(self.model), 2 * batch, 4 * batch, 6 * batch,
+                    2 * (WINDOWS + 2) * batch,
                 )  # fmt: skip
         try:
             return self.scaled.at(batch)
@@ -274,3 +275,12 @@ def _crossing(need: dict[int, int], lo: int, hi: int, fixed: int, limit: int) ->
         return b1
     return math.floor(b0 + (limit - m0) * (b1 - b0) / (m1 - m0))
 
+
+def _why_not_on_meta(exc: Exception) -> str:
+    """What failed on ``meta``, in a line: the module and the error it raised (not the advice
+    on example inputs an :class:`ExampleInputsError` gives: those ran on the device)."""
+    cause = exc.__cause__ if isinstance(exc, ExampleInputsError) else None
+    if cause is None:
+        return str(exc).splitlines()[0][:200]
+    where = f"in module {exc.where or '(root)'!r}: " if isinstance(exc, ExampleInputsError) else ""
+    return f"{where}{type(cause).__name__}: {str(cause).splitlines()[0][:200]}"

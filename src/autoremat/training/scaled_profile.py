@@ -1,18 +1,19 @@
 """Profiles at large batches from real steps at small ones, for models that cannot run on ``meta``.
 
-:func:`autoremat.fit` sizes a model by profiling a copy of it on ``meta`` at each candidate
-batch. Code that reads tensor values (``.item()`` in a mask, a kernel whose ``meta`` version
-wants other dtypes) cannot run there. :class:`ScaledProfiles` sizes such a model instead from
-real steps on its device at small batches ``2 b``, ``4 b`` and ``6 b`` (``b``: the smallest
-that runs; batch 1 left out, where some code takes shortcuts): every figure of a profile
-(bytes at each point, what each node frees and holds, its recompute's peak, seconds) is taken
-as affine in the batch, extrapolated from the first two (:func:`between`), and checked against
-the third before any is used: every point, every node's freed bytes and recompute peak must
-be exactly affine (storage bytes are whole products of the shapes, so a step whose tensors all
-grow with the batch is). A step whose structure changes with the batch (other calls, other
-points) or with a term that grows faster (a batch x batch product) is refused with
-:class:`NotScalable`, which says so. The peak is the most of the points scaled (a maximum of
-affine figures is not affine itself).
+:func:`autoremat.fit` sizes a model by profiling a copy of it on ``meta`` at each candidate batch.
+Code that reads tensor values (``.item()`` in a mask, a kernel whose ``meta`` version wants other
+dtypes) cannot run there. :class:`ScaledProfiles` sizes such a model instead from real steps on its
+device at small batches ``2 b``, ``4 b`` and ``6 b`` (``b``: the smallest that runs; batch 1 left
+out, where some code takes shortcuts): every figure of a profile (bytes at each point, what each
+node frees and holds, its recompute's peak, seconds) is taken as affine in the batch, extrapolated
+from the first two (:func:`between`), and checked against the third before any is used (when that
+fails, the next window, 4 b and 6 b against 8 b, up to :data:`WINDOWS`: a figure that is the most of
+several, a recompute's highest moment, becomes affine once one moment stays the highest): every
+point, every node's freed bytes and recompute peak must be exactly affine (storage bytes are whole
+products of the shapes, so a step whose tensors all grow with the batch is). A step whose structure
+changes with the batch (other calls, other points) or with a term that grows faster (a batch x batch
+product) is refused with :class:`NotScalable`, which says so. The peak is the most of the points
+scaled (a maximum of affine figures is not affine itself).
 """
 
 from __future__ import annotations
@@ -23,26 +24,27 @@ from typing import Any
 
 from autoremat.costs.profile import Profile
 
-__all__ = ["NotScalable", "ScaledProfiles", "between", "scaled"]
+__all__ = ["WINDOWS", "NotScalable", "ScaledProfiles", "between", "off_by", "scaled"]
 
 
 class NotScalable(ValueError):
     """The step's profile is not affine in the batch: it cannot be extrapolated."""
 
 
-def between(first: Any, second: Any, t: float) -> Any:
+def between(first: Any, second: Any, t: float, where: str = "profile") -> Any:
     """``first + (second - first) * t`` through a profile's figures: integers (rounded) and
     floats; tuples, dicts and dataclasses field by field; anything else (names, the tree of
     calls) must be equal and is kept from ``second``.
 
     Raises:
-        NotScalable: the two differ in structure (lengths, keys, names, types).
+        NotScalable: the two differ in structure (lengths, keys, names, types); the message
+            names the figure (``where``, as ``profile.costs['block'].ways``).
     """
     if type(first) is not type(second):
-        raise NotScalable(f"{type(first).__name__} against {type(second).__name__}")
+        raise NotScalable(f"{where}: {type(first).__name__} against {type(second).__name__}")
     if isinstance(first, bool) or first is None or isinstance(first, str):
         if first != second:
-            raise NotScalable(f"{first!r} against {second!r}")
+            raise NotScalable(f"{where}: {first!r} against {second!r}")
         return second
     if isinstance(first, int):
         return round(first + (second - first) * t)
@@ -50,18 +52,23 @@ def between(first: Any, second: Any, t: float) -> Any:
         return max(0.0, first + (second - first) * t)
     if isinstance(first, tuple):
         if len(first) != len(second):
-            raise NotScalable(f"{len(first)} entries against {len(second)}")
-        return tuple(between(a, b, t) for a, b in zip(first, second, strict=True))
+            raise NotScalable(f"{where}: {len(first)} entries against {len(second)}")
+        return tuple(
+            between(a, b, t, f"{where}[{i}]")
+            for i, (a, b) in enumerate(zip(first, second, strict=True))
+        )
     if isinstance(first, dict):
         if first.keys() != second.keys():
-            odd = sorted(first.keys() ^ second.keys())[:3]
-            raise NotScalable(f"the calls differ from one step to another ({odd} in one only)")
-        return {k: between(first[k], second[k], t) for k in first}
+            odd = sorted(map(str, first.keys() ^ second.keys()))[:3]
+            raise NotScalable(f"{where}: the calls differ ({odd} in one only)")
+        return {k: between(first[k], second[k], t, f"{where}[{k!r}]") for k in first}
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         # (a profile's trees of calls and modules: the second's, whose nodes name the model's)
         kept = ("tree", "module_tree") if isinstance(first, Profile) else ()
         changes = {
-            f.name: between(getattr(first, f.name), getattr(second, f.name), t)
+            f.name: between(
+                getattr(first, f.name), getattr(second, f.name), t, f"{where}.{f.name}"
+            )
             for f in dataclasses.fields(first)
             if f.name not in kept
         }
@@ -77,15 +84,21 @@ def scaled(first: Profile, second: Profile, t: float) -> Profile:
     return dataclasses.replace(found, peak=peak)
 
 
+WINDOWS = 3  # batches tried: (2b, 4b, 6b), then (4b, 6b, 8b), then (6b, 8b, 10b)
+
+
 class ScaledProfiles:
     """Profiles of a model's step at any batch from real steps at ``2 b``, ``4 b`` and ``6 b``
     (module docstring), ``b`` the smallest batch that runs, whose profile is ``first``.
-    ``real(batch)`` profiles one real step at ``batch``."""
+    ``real(batch)`` profiles one real step at ``batch``. A figure that is the most of several
+    (a node's recompute peak: its highest moment) is affine only once one moment stays the
+    highest: when the check at ``6 b`` fails, the next window (``4 b`` and ``6 b`` checked at
+    ``8 b``), up to :data:`WINDOWS`, is tried before the step is refused."""
 
     def __init__(self, real: Callable[[int], Profile], b: int, first: Profile) -> None:
         self.real, self.b1 = real, 2 * b
         self.seen: dict[int, Profile] = {b: first}
-        self.checked = False
+        self.base: tuple[int, int] | None = None  # the two batches scaled from, once checked
 
     def profiled(self, batch: int) -> Profile:
         if batch not in self.seen:
@@ -93,38 +106,64 @@ class ScaledProfiles:
         return self.seen[batch]
 
     def at(self, batch: int) -> Profile:
-        """The profile at ``batch``: a real one up to ``6 b`` (one already profiled, or one
-        of ``2 b``, ``4 b``, ``6 b``), else scaled from ``2 b`` and ``4 b``.
+        """The profile at ``batch``: a real one below the checked window's second batch (or
+        one already profiled), else scaled from the checked window's first two batches.
 
         Raises:
-            NotScalable: the step is not affine in the batch (checked at ``6 b`` first).
+            NotScalable: the step is not affine in the batch (checked before any is scaled).
         """
-        b1, b2 = self.b1, 2 * self.b1
-        if batch in self.seen or batch in (b1, b2, 3 * b1) or batch < b1:
+        if batch in self.seen or batch < self.b1:
             return self.profiled(batch)
-        if not self.checked:
-            self.check()
-        return scaled(self.profiled(b1), self.profiled(b2), (batch - b1) / (b2 - b1))
+        if self.base is None:
+            self.base = self.check()
+        low, high = self.base
+        if batch < high:
+            return self.profiled(batch)
+        return scaled(self.profiled(low), self.profiled(high), (batch - low) / (high - low))
 
-    def check(self) -> None:
-        """Extrapolate to ``6 b`` and compare with the real profile there: the peak, every
-        point, every node's freed bytes and recompute peak, to the byte."""
-        b1 = self.b1
-        real = self.profiled(3 * b1)
-        guess = scaled(self.profiled(b1), self.profiled(2 * b1), 2.0)
-        pairs = [(guess.peak, real.peak)]
-        pairs += [(guess.costs[k].recompute_peak, real.costs[k].recompute_peak) for k in real.costs]
-        for phase in ("forward_points", "backward_points"):
-            mine, theirs = getattr(guess, phase), getattr(real, phase)
-            if [p for p, _ in mine] != [p for p, _ in theirs]:
-                raise NotScalable(f"the step's {phase.replace('_', ' ')} change with the batch")
-            pairs += [(a, b) for (_, a), (_, b) in zip(mine, theirs, strict=True)]
-        pairs += [(guess.costs[k].freed, real.costs[k].freed) for k in real.costs]
-        worst = max(abs(a - b) for a, b in pairs)
-        if worst:
-            raise NotScalable(
-                f"its step is not linear in the batch: extrapolated from batches {b1} and "
-                f"{2 * b1} to {3 * b1}, a figure is off by {worst} bytes "
-                f"({worst / real.peak:.2%} of the peak)"
+    def check(self) -> tuple[int, int]:
+        """The first window ``(k b1, (k + 1) b1)`` whose extrapolation to ``(k + 2) b1`` is
+        the real profile there to the byte (:func:`off_by`).
+
+        Raises:
+            NotScalable: none of :data:`WINDOWS` is; the message gives each window's miss.
+        """
+        b1, misses = self.b1, []
+        for k in range(1, WINDOWS + 1):
+            low, high, third = k * b1, (k + 1) * b1, (k + 2) * b1
+            try:
+                worst = off_by(
+                    scaled(self.profiled(low), self.profiled(high), 2.0), self.profiled(third)
+                )
+            except NotScalable as exc:
+                raise NotScalable(
+                    f"its step is not the same at batches {low}, {high} and {third}: {exc}"
+                ) from None
+            if not worst:
+                return low, high
+            misses.append(
+                f"from {low} and {high} to {third}, a figure is off by {worst} bytes "
+                f"({worst / self.profiled(third).peak:.2%} of the peak)"
             )
-        self.checked = True
+        raise NotScalable(f"its step is not linear in the batch: extrapolated {'; '.join(misses)}")
+
+
+def off_by(guess: Profile, real: Profile) -> int:
+    """The most bytes by which ``guess`` misses ``real``: the peak, every point, every node's
+    freed bytes and recompute peak (0: to the byte).
+
+    Raises:
+        NotScalable: the two have other points.
+    """
+    if guess.costs.keys() != real.costs.keys():
+        odd = sorted(map(str, guess.costs.keys() ^ real.costs.keys()))[:3]
+        raise NotScalable(f"profile.costs: the calls differ ({odd} in one only)")
+    pairs = [(guess.peak, real.peak)]
+    pairs += [(guess.costs[k].recompute_peak, real.costs[k].recompute_peak) for k in real.costs]
+    for phase in ("forward_points", "backward_points"):
+        mine, theirs = getattr(guess, phase), getattr(real, phase)
+        if [p for p, _ in mine] != [p for p, _ in theirs]:
+            raise NotScalable(f"the step's {phase.replace('_', ' ')} change with the batch")
+        pairs += [(a, b) for (_, a), (_, b) in zip(mine, theirs, strict=True)]
+    pairs += [(guess.costs[k].freed, real.costs[k].freed) for k in real.costs]
+    return max(abs(a - b) for a, b in pairs)

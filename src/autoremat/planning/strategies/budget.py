@@ -144,7 +144,8 @@ def _solve(
             f"recomputing modules of {request.model_name} reaches, {format_size(least)} "
             f"({least / prof.peak:.0%} of the {format_size(prof.peak)} peak without "
             f"recompute; about {least} bytes). Try budget={least}, a smaller batch"
-            f"{'' if request.autocast else ', or mixed precision'}.{_left_out_hint(skipped)}",
+            f"{'' if request.autocast else ', or mixed precision'}.{_left_out_hint(skipped)}"
+            f"{_bytes_hint(given)}",
             least,
             prof.peak,
         ) from None
@@ -176,3 +177,14 @@ def _left_out_hint(skipped: dict[str, str]) -> str:
 
 
 STRATEGY = Strategy(name="budget", keyword="budget", needs="profile", check=_check, choose=_choose)
+
+
+def _bytes_hint(given: object) -> str:
+    """For a budget of a few bytes given as a bare whole number (``50``, ``"50"``), the
+    percentage it may have meant."""
+    number = given.strip() if isinstance(given, str) else given
+    if isinstance(number, str) and number.isdigit():
+        number = int(number)
+    if isinstance(number, int) and not isinstance(number, bool) and 1 <= number <= 100:
+        return f" (A bare whole number is bytes: for {number} percent, give '{number}%'.)"
+    return ""
