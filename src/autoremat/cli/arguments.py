@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from autoremat.cli.targets import CliError
-from autoremat.core.sizes import BUDGET_FORMS, format_size, parse_budget
+from autoremat.core.sizes import BUDGET_FORMS, format_size, parse_budget, percent_hint
 from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.planning.strategies.levels import DEFAULT_SEGMENTS
 from autoremat.record.step import LossFn
@@ -80,8 +80,8 @@ def below_lowest(exc: BudgetTooLow, text: str, value: int | float | str, model: 
     asked = text
     if isinstance(value, float) or str(value).endswith("%"):
         asked += f" ({format_size(parse_budget(value, exc.baseline))})"
-    if isinstance(value, int) and value <= 100:
-        asked += f" (whole bytes: for {value} percent, give {value}%)"
+    if hint := percent_hint(value):
+        asked += f" ({hint})"
     return (
         f"budget {asked} is below the lowest peak {model} reaches, {format_size(exc.lowest)} "
         f"({exc.lowest / exc.baseline:.0%} of {format_size(exc.baseline)} without recompute)"

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["BUDGET_FORMS", "Budget", "format_size", "parse_budget"]
+__all__ = ["BUDGET_FORMS", "Budget", "format_size", "parse_budget", "percent_hint"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -113,3 +113,14 @@ def _parse_text(budget: str) -> Budget:
     if size < 1:
         raise ValueError(f"budget {budget!r} is zero; use {BUDGET_FORMS}")
     return Budget(bytes=int(size), given=budget)
+
+
+def percent_hint(given: object) -> str:
+    """For a budget of a few bytes given as a bare whole number (``50``, ``"50"``), the
+    percentage it may have meant, as a clause (``""`` otherwise)."""
+    number = given.strip() if isinstance(given, str) else given
+    if isinstance(number, str) and number.isdigit():
+        number = int(number)
+    if isinstance(number, int) and not isinstance(number, bool) and 1 <= number <= 100:
+        return f"a bare whole number is bytes: for {number} percent, give '{number}%'"
+    return ""

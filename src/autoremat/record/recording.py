@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
-import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ from autoremat.record.forward_liveness import (
     forward_deaths,
     new_storages,
 )
+from autoremat.record.kept_outputs import KeptOutputs
 from autoremat.record.memory import CpuAllocatorMemory, LiveMemory
 from autoremat.record.scratch import Highs, births_with_scratch, with_scratch
 from autoremat.record.snapshot import preserved
@@ -210,21 +209,10 @@ class OpCosts(TorchDispatchMode):
         # weight): storage key -> (bytes, the node whose op made it)
         self.casts: dict[int, tuple[int, Node]] = {}
         self.cast_reads: dict[Node, dict[int, tuple[int, Node]]] = defaultdict(dict)
-        self.born: dict[int, int] = {}  # kept output id -> the clock when it was made
-        self.born_nth: dict[int, int] = {}  # kept output id -> its key's storages before it
-        # kept output id -> (ops run before the op that made it, the stretch's peak before
-        # that op, the allocator's mark then)
-        self.born_after: dict[int, tuple[int, int, int]] = {}
-        self.freed: dict[int, int] = {}  # kept output id -> the clock when it was freed
-        self.watches: list[weakref.finalize] = []
+        self.kept = KeptOutputs(clock)
         self.ops = 0  # ops run while counting
-        self.changed: set[int] = set()  # kept output ids changed in place after
         self.counting = True
         self.keep = {way: resolve(ops) for way, ops in WAYS.items()}
-        # storage key -> id of the kept output that has it now (a key can be reused once the
-        # storage is freed: ids tell the storages apart)
-        self.current: dict[int, int] = {}
-        self.ids = itertools.count()
         self.order: list[tuple[int, int]] = []  # (key, bytes) of each new storage, in order
         # storage key -> the clock each time a storage with that key was made
         self.made_at: dict[int, list[int]] = defaultdict(list)
@@ -239,14 +227,14 @@ class OpCosts(TorchDispatchMode):
         self.ops += 1
         own = self.own[self.stack[-1]]
         if func._schema.is_mutable:
-            self._changes(func, args, kwargs)
+            self.kept.changes(func, args, kwargs)
         formula = flop_registry.get(func._overloadpacket)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         seen = {storage_key(t) for _, t in iter_tensors((args, kwargs))}
         new = new_storages(seen, out)  # (as the forward that saves nothing sees them)
         self.order.extend(new.items())
         for key in new:
-            self.current.pop(key, None)
+            self.kept.current.pop(key, None)
             self.casts.pop(key, None)
             self.cached.discard(key)
             self.made_at[key].append(self.clock())
@@ -256,8 +244,9 @@ class OpCosts(TorchDispatchMode):
         own.written += written
         own.ops += 1
         if before is not None:
-            self._keep(ways, before, own, flops, written, new)
-            self._watch(out, new)
+            uids = self.kept.made(new, before, self.made_at)
+            self._keep(ways, own, flops, written, new, uids)
+            self.kept.watch(out, dict(uids))
         return out
 
     def _casts(
@@ -290,54 +279,15 @@ class OpCosts(TorchDispatchMode):
             and not source._is_view()
         )
 
-    def _watch(self, out: Any, new: dict[int, int]) -> None:
-        """Note, in :attr:`freed`, when the kept outputs among ``out``'s new storages ``new``
-        are freed."""
-        watched: set[int] = set()
-        for _, t in iter_tensors(out):
-            key = storage_key(t)
-            if key in new and key not in watched and (uid := self.current.get(key)) is not None:
-                watched.add(key)
-                watch = weakref.finalize(t.untyped_storage(), self._free, uid)
-                watch.atexit = False
-                self.watches.append(watch)
-
-    def _free(self, uid: int) -> None:
-        self.freed[uid] = self.clock()
-
-    def unwatch(self) -> None:
-        """Stop watching the kept outputs still alive (the step is over: none outlives it
-        holding this mode)."""
-        for watch in self.watches:
-            watch.detach()
-        self.watches.clear()
-
-    def _changes(self, func: Any, args: Any, kwargs: Any) -> None:
-        """Note the kept outputs that ``func`` writes to in place (``add_``, ``out=``)."""
-        given = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
-        for a in func._schema.arguments:
-            if a.alias_info is not None and a.alias_info.is_write:
-                for _, t in iter_tensors(given.get(a.name)):
-                    uid = self.current.get(storage_key(t))  # type: ignore[arg-type]
-                    if uid is not None:
-                        self.changed.add(uid)
-
-    def _keep(self, ways: list[str], before: tuple[int, int, int], own: OwnOps, flops: int,
-              written: int, new: dict[int, int]) -> None:  # fmt: skip
-        """Note the outputs ``new`` of an op that the selective ``ways`` keep (``before``: when
-        the op began, as :attr:`born_after` has it)."""
-        uids: dict[int, int] = {}
+    def _keep(self, ways: list[str], own: OwnOps, flops: int, written: int,
+              new: dict[int, int], uids: dict[int, int]) -> None:  # fmt: skip
+        """Add an op the selective ``ways`` keep to ``own``'s: its FLOPs, bytes written and
+        new storages ``new`` (key -> bytes), by id (``uids``, by key)."""
         for way in ways:
             kept = own.kept[way]
             kept.flops += flops
             kept.written += written
-            for key, size in new.items():
-                if key not in uids:
-                    self.current[key] = uids[key] = next(self.ids)
-                    self.born[uids[key]] = self.clock()
-                    self.born_nth[uids[key]] = len(self.made_at[key]) - 1
-                    self.born_after[uids[key]] = before
-                kept.storages[uids[key]] = (key, size)
+            kept.storages.update((uids[key], (key, size)) for key, size in new.items())
 
 
 def lineage(tree: Node) -> tuple[dict[Node, Node | None], dict[Node, int]]:
@@ -407,13 +357,13 @@ class _Recorder:
             cast_dtype,
             lambda: (self.memory.peak, self.snap()),
         )
-        self.rec.born = self.costs.born
-        self.rec.changed = self.costs.changed
+        self.rec.born = self.costs.kept.born
+        self.rec.changed = self.costs.kept.changed
         self.rec.cast_reads = self.costs.cast_reads
         self.rec.cached_casts = self.costs.cached
         self.rec.made_at = self.costs.made_at
-        self.rec.kept_freed = self.costs.freed
-        self.rec.born_nth = self.costs.born_nth
+        self.rec.kept_freed = self.costs.kept.freed
+        self.rec.born_nth = self.costs.kept.born_nth
 
     def snap(self) -> int:
         """A mark in the allocator's events (the number of marks before; -1 without)."""
@@ -446,7 +396,7 @@ class _Recorder:
             rec.savers[key] = (t.untyped_storage().nbytes(), set())
             rec.own_saved[here] += t.untyped_storage().nbytes()
         rec.savers[key][1].add(here)
-        uid = self.costs.current.get(key)
+        uid = self.costs.kept.current.get(key)
         if uid is not None:
             rec.kept_savers[uid].add(here)
         return here, t
@@ -558,7 +508,6 @@ class _Recorder:
         """The recording, each call named as a profile names it: ``path@k`` when its module
         ran several times, its path when once."""
         self.mark("done", self.root)
-        self.costs.unwatch()
         for call in self.calls:
             call.calls = self.count[id(call.module)]
             if call.calls == 1:
@@ -636,9 +585,10 @@ def record_step(
             with_scratch(recording.events, recording.last_save, highs, rec.event_marks,
                          rec.save_marks)  # fmt: skip
         recording.born_after = births_with_scratch(
-            recording.events, recording.born, rec.costs.born_after, highs, rec.event_marks
+            recording.events, recording.born, rec.costs.kept.born_after, highs, rec.event_marks
         )
     finally:
+        rec.costs.kept.unwatch()  # (also when the step raised)
         for h in handles + rec.grad_hooks:
             h.remove()
     return recording

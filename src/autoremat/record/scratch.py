@@ -46,9 +46,22 @@ def with_scratch(
         events[i] = (kind, node, max(peak, before + rise), now)
         before = now
     for node, (count, peak) in last_save.items():
-        since = events[count - 1][3] if count else 0
-        rise = highs.rise(event_marks[count - 1] if count else -1, save_marks[node])
-        last_save[node] = (count, max(peak, since + rise))
+        raised = _raised(events, event_marks, highs, count, peak, save_marks[node])
+        last_save[node] = (count, raised)
+
+
+def _raised(
+    events: list[tuple[str, Node, int, int]],
+    event_marks: list[int],
+    highs: Highs,
+    count: int,
+    peak: int,
+    mark: int,
+) -> int:
+    """``peak``, of a moment at allocator mark ``mark`` in the stretch after event ``count``,
+    raised to the live bytes at that event plus the allocator's rise since."""
+    since = events[count - 1][3] if count else 0
+    return max(peak, since + highs.rise(event_marks[count - 1] if count else -1, mark))
 
 
 def births_with_scratch(
@@ -61,11 +74,8 @@ def births_with_scratch(
     """Each kept output's ``(ops before the op that made it, the stretch's peak before that
     op)``, that peak raised as :func:`with_scratch` raises a stretch's (``born_after``: the
     allocator's mark before the op last; ``highs`` ``None``: no allocator watched)."""
-    found = {}
-    for uid, (ops, peak, mark) in born_after.items():
-        count = born[uid]
-        if highs is not None and mark >= 0:
-            since = events[count - 1][3] if count else 0
-            peak = max(peak, since + highs.rise(event_marks[count - 1] if count else -1, mark))
-        found[uid] = (ops, peak)
-    return found
+    return {
+        uid: (ops, peak if highs is None or mark < 0
+              else _raised(events, event_marks, highs, born[uid], peak, mark))
+        for uid, (ops, peak, mark) in born_after.items()
+    }  # fmt: skip

@@ -279,8 +279,10 @@ def _crossing(need: dict[int, int], lo: int, hi: int, fixed: int, limit: int) ->
 def _why_not_on_meta(exc: Exception) -> str:
     """What failed on ``meta``, in a line: the module and the error it raised (not the advice
     on example inputs an :class:`ExampleInputsError` gives: those ran on the device)."""
-    cause = exc.__cause__ if isinstance(exc, ExampleInputsError) else None
-    if cause is None:
+    if not isinstance(exc, ExampleInputsError) or exc.__cause__ is None:
         return str(exc).splitlines()[0][:200]
-    where = f"in module {exc.where or '(root)'!r}: " if isinstance(exc, ExampleInputsError) else ""
-    return f"{where}{type(cause).__name__}: {str(cause).splitlines()[0][:200]}"
+    cause = exc.__cause__
+    return (
+        f"in module {exc.where or '(root)'!r}: "
+        f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}"
+    )

@@ -14,7 +14,7 @@ from typing import Any
 
 from autoremat.core.entries import parse_call
 from autoremat.core.selective import WAYS
-from autoremat.core.sizes import Budget, format_size
+from autoremat.core.sizes import Budget, format_size, percent_hint
 from autoremat.costs.profile import Profile
 from autoremat.planning.choice import OBJECTIVES, Choice
 from autoremat.planning.planning_tree import planning_tree, recompute_seconds
@@ -139,13 +139,14 @@ def _solve(
     except Infeasible:
         least = lowest(prof, request, root)
         given = request.budget.given if isinstance(request.budget, Budget) else request.budget
+        hint = percent_hint(given)
         raise BudgetTooLow(
             f"budget {format_size(limit)} ({given!r}) is below the lowest peak that "
             f"recomputing modules of {request.model_name} reaches, {format_size(least)} "
             f"({least / prof.peak:.0%} of the {format_size(prof.peak)} peak without "
             f"recompute; about {least} bytes). Try budget={least}, a smaller batch"
             f"{'' if request.autocast else ', or mixed precision'}.{_left_out_hint(skipped)}"
-            f"{_bytes_hint(given)}",
+            f"{f' ({hint}.)' if hint else ''}",
             least,
             prof.peak,
         ) from None
@@ -178,13 +179,3 @@ def _left_out_hint(skipped: dict[str, str]) -> str:
 
 STRATEGY = Strategy(name="budget", keyword="budget", needs="profile", check=_check, choose=_choose)
 
-
-def _bytes_hint(given: object) -> str:
-    """For a budget of a few bytes given as a bare whole number (``50``, ``"50"``), the
-    percentage it may have meant."""
-    number = given.strip() if isinstance(given, str) else given
-    if isinstance(number, str) and number.isdigit():
-        number = int(number)
-    if isinstance(number, int) and not isinstance(number, bool) and 1 <= number <= 100:
-        return f" (A bare whole number is bytes: for {number} percent, give '{number}%'.)"
-    return ""
