@@ -24,7 +24,7 @@ from torch import nn
 def build():
     g = torch.Generator().manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)))
-    return model, (torch.randn(32, 64, generator=g),), {}
+    return model, (torch.randn(256, 64, generator=g),), {}
 """
 
 

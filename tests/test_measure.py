@@ -104,15 +104,20 @@ PLAIN_PEAK = 6 * A + W + LOSS + ONES
 #   o1, do0, dW3, dW2 (o0 itself has been freed: its last holder, block 1's first MmBackward,
 #   has run) and the recomputed m0', g0', o0' (h0' already died): 5A + 2W. ReluBackward then
 #   makes dg0 after g0' has died: o1, do0, m0', o0', dg0, dW3, dW2, the same again.
-CKPT_SAVED = 3 * A + LOSS
-CKPT_PEAK = 5 * A + 2 * W + LOSS + ONES
+#   On the CPU the tracker also counts the RNG state checkpoint keeps from the forward to the
+#   backward, and the one its recompute keeps while it runs (RNG bytes each): one in what is
+#   saved, two at the peak (in the recompute).
+RNG = int(torch.get_rng_state().numel())
+CKPT_SAVED = 3 * A + LOSS + RNG
+CKPT_PEAK = 5 * A + 2 * W + LOSS + ONES + 2 * RNG
 # Selective checkpoint of block 0, mm outputs MUST_SAVE: h0 and g0 stay in the
 # selective-checkpoint cache (outside autograd's saved tensors), m0 is recomputed from h0.
 #   saved: h0, g0, o0, m1, o1 + loss = full checkpoint + 2A.
 #   peak: at the same moment as without checkpointing, with h0, g0 in place of m0: h0, g0, o0,
 #   m1, o1, dg1, dm1 and dW3.
-SAC_SAVED = 5 * A + LOSS
-SAC_PEAK = 7 * A + W + LOSS + ONES
+#   (its peak comes before the recompute: one RNG state)
+SAC_SAVED = 5 * A + LOSS + RNG
+SAC_PEAK = 7 * A + W + LOSS + ONES + RNG
 
 
 def test_plain_chain_exact_bytes():
@@ -126,8 +131,8 @@ def test_checkpoint_drops_saved_and_peak_by_exact_amounts():
     ckpt = measure(FirstBlockCheckpointed(two_blocks()), (batch(),))
     assert ckpt.saved == CKPT_SAVED
     assert ckpt.peak == CKPT_PEAK
-    assert plain.saved - ckpt.saved == A  # m0 is no longer held
-    assert plain.peak - ckpt.peak == A - W  # 25 MiB -> 22 MiB
+    assert plain.saved - ckpt.saved == A - RNG  # m0 is no longer held
+    assert plain.peak - ckpt.peak == A - W - 2 * RNG  # 25 MiB -> 22 MiB
 
 
 def test_selective_checkpoint_outputs_are_seen():
@@ -152,7 +157,7 @@ def test_wrapping_with_autoremat_apply_drops_saved_bytes():
     assert before.saved == PLAIN_SAVED
     assert after.saved == CKPT_SAVED
     assert after.peak == CKPT_PEAK
-    assert before.saved - after.saved == A
+    assert before.saved - after.saved == A - RNG
 
 
 @pytest.mark.slow
@@ -199,7 +204,11 @@ def test_meta_device_gives_the_same_bytes_as_cpu(kind):
 
     cpu = measure(build("cpu"), (batch("cpu"),))
     meta = measure(build("meta"), (batch("meta"),))
-    assert (meta.peak, meta.saved, meta.flops) == (cpu.peak, cpu.saved, cpu.flops)
+    # (on meta no device keeps the checkpoint's RNG states: they are the CPU's memory)
+    states = {"plain": (0, 0), "checkpoint": (2, 1), "selective": (1, 1)}[kind]
+    assert (meta.peak + states[0] * RNG, meta.saved + states[1] * RNG, meta.flops) == (
+        cpu.peak, cpu.saved, cpu.flops
+    )
 
 
 def test_checkpoint_recompute_peak_is_not_inflated_by_the_flop_counter():
@@ -209,7 +218,7 @@ def test_checkpoint_recompute_peak_is_not_inflated_by_the_flop_counter():
 
     Model: four Linear+ReLU blocks on 512 x 512 (every tensor 1 MiB), the first three under
     one checkpoint. Peak, in the recompute: o3 (output), da2, dW3, and the recomputed
-    a0', a1', h2', a2' = 7 MiB, + loss + ones.
+    a0', a1', h2', a2' = 7 MiB, + loss + ones, and the two RNG states checkpoint keeps then.
     """
 
     class Chain(nn.Module):
@@ -222,8 +231,8 @@ def test_checkpoint_recompute_peak_is_not_inflated_by_the_flop_counter():
             return self.blocks[3](x)
 
     m = measure(Chain(), (torch.randn(512, 512),))
-    assert m.peak == 7 * MiB + LOSS + ONES
-    assert m.saved == 2 * MiB + LOSS  # a2 (checkpoint output) and a3 (output)
+    assert m.peak == 7 * MiB + LOSS + ONES + 2 * RNG
+    assert m.saved == 2 * MiB + LOSS + RNG  # a2 (checkpoint output) and a3 (output)
 
 
 def test_measure_leaves_the_model_as_found():

@@ -1,6 +1,6 @@
-"""What the CPU allocator sees beyond the tensors (issue 24): kernels' scratch, priced by a
-profile made by the allocator, and what checkpoints keep (RNG states, buffer copies);
-``plan_for_device`` and ``fit`` on a CPU count them, checked against the allocator's peak."""
+"""What the CPU allocator sees beyond the tensors: kernels' scratch, and what checkpoints keep
+(RNG states, buffer copies). On a CPU ``plan_for_device`` and ``fit`` run each plan's step
+counted by the allocator (:mod:`autoremat.planning.rehearsal`), checked against its peak."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import autoremat
 from autoremat.comparison.recomputed import RecomputeCounter
 from autoremat.examples import EXAMPLES
 from autoremat.planning.plan import plan_from_profile, profile_lowest
+from autoremat.planning.rehearsal import rehearsal_for
 from autoremat.record.memory import CpuAllocatorMemory
 from autoremat.record.step import train_step
-from autoremat.training.device_model import CPU_RNG_STATE
-from autoremat.training.step_memory import buffer_copies, checkpoint_state
+from autoremat.training.step_memory import buffer_copies
 
 
 def _cnn(batch: int = 4) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
@@ -49,46 +49,29 @@ def test_the_allocator_marks_the_most_it_held_between_two_marks() -> None:
     assert memory.peak == 12000 and kept.numel() == 1000
 
 
-def test_a_profile_by_the_allocator_predicts_its_peak_and_its_plans_beyond_the_tensors() -> None:
-    """The tracker misses the convolutions' scratch (about a fifth of the lowest plan's peak);
-    a profile by the allocator predicts the allocator's peak to the byte without recompute,
-    and each budget plan's within what its checkpoints keep (RNG states, buffer copies)."""
+def test_plans_run_by_the_allocator_state_its_peak_beyond_the_tensors() -> None:
+    """The tracker misses the convolutions' scratch (about a fifth of the lowest plan's
+    peak); plans whose steps run counted by the allocator state its peak, above the
+    tracker's, and hold such a budget when applied (each entry recomputed)."""
     model, args, kwargs = _cnn()
-    by_allocator = autoremat.profile(model, args, kwargs, memory="allocator")
-    by_tensors = autoremat.profile(model, args, kwargs)
-    assert by_allocator.memory == "allocator" and by_tensors.memory == "tensors"
-    assert by_allocator.peak == autoremat.measure(model, args, kwargs, memory="allocator").peak
-    assert by_allocator.peak > by_tensors.peak
-    lowest = profile_lowest(by_allocator, objective="flops")
-    for budget in (0.75, lowest):
-        plan = plan_from_profile(model, by_allocator, budget, objective="flops")
+    prof = autoremat.profile(model, args, kwargs)
+    by_allocator = rehearsal_for(prof, memory="allocator")
+    assert by_allocator.way == "allocator" and "allocator" in by_allocator.how
+    lowest = profile_lowest(prof, objective="flops", rehearsal=by_allocator)
+    assert lowest > profile_lowest(prof, objective="flops")
+    for budget in (0.9, lowest):
+        plan = plan_from_profile(model, prof, budget, objective="flops", rehearsal=by_allocator)
         wrapped = plan.apply(copy.deepcopy(model))
         seen = autoremat.measure(wrapped, args, kwargs, memory="allocator").peak
         _recomputed(wrapped, args, kwargs, plan.modules)
-        estimate = plan.estimated_peak or 0
-        kept = checkpoint_state(plan, by_allocator, CPU_RNG_STATE)
-        assert estimate <= seen <= estimate + kept, (plan.modules, estimate, seen, kept)
-        tensors_plan = plan_from_profile(model, by_tensors, budget if budget != lowest else
-                                         profile_lowest(by_tensors, objective="flops"),
-                                         objective="flops")  # fmt: skip
-        tensors_wrapped = tensors_plan.apply(copy.deepcopy(model))
-        if budget == lowest:  # the tracker's lowest plan leaves the scratch out: over by it
-            scratch = autoremat.measure(tensors_wrapped, args, kwargs, memory="allocator").peak
-            assert scratch > 1.1 * (tensors_plan.estimated_peak or 0)
-
-
-def test_memory_by_the_allocator_is_for_a_step_on_the_cpu() -> None:
-    model = nn.Linear(4, 4, device="meta")
-    with pytest.raises(ValueError, match="memory='allocator' profiles a step on the CPU"):
-        autoremat.profile(model, (torch.randn(2, 4, device="meta"),), memory="allocator")
-    with pytest.raises(ValueError, match="memory must be one of"):
-        autoremat.profile(nn.Linear(4, 4), (torch.randn(2, 4),), memory="bytes")
+        assert seen == plan.estimated_peak and plan.budget is not None and seen <= plan.budget
 
 
 def test_a_checkpointed_batchnorm_keeps_its_statistics_copy_which_the_bound_covers() -> None:
     """The replay keeps each checkpointed call's pre-forward BatchNorm statistics (2 x channels
     floats and the 8-byte counter) until its recompute: device memory no op makes, seen by the
-    allocator and not by the tracker, within :func:`buffer_copies`' bound."""
+    allocator and not by the tracker (which counts the checkpoint's RNG state), within
+    :func:`buffer_copies`' bound."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.BatchNorm1d(256))
                             for _ in range(4)))  # fmt: skip
@@ -100,10 +83,9 @@ def test_a_checkpointed_batchnorm_keeps_its_statistics_copy_which_the_bound_cove
         allocator = autoremat.measure(wrapped, (x,), memory="allocator").peak
         unseen.append(allocator - autoremat.measure(wrapped, (x,)).peak)
     statistics = 2 * 256 * 4 + 8
-    assert unseen[0] == 0 and unseen[1] == CPU_RNG_STATE + statistics
-    plan = autoremat.Plan(modules=("0", "1", "2"), strategy="budget", model_class="Sequential")
-    assert buffer_copies(plan, prof) >= 3 * statistics
-    assert CPU_RNG_STATE + statistics <= unseen[2] <= checkpoint_state(plan, prof, CPU_RNG_STATE)
+    assert unseen[0] == 0 and unseen[1] == statistics
+    bound = buffer_copies(("0", "1", "2"), model, prof.module_tree)
+    assert bound >= 3 * statistics and statistics <= unseen[2] <= bound
 
 
 def test_a_plan_for_a_cpu_fits_by_the_allocators_peak_where_the_tracker_would_not() -> None:
@@ -132,8 +114,10 @@ def test_fit_on_a_cpu_finds_the_batch_the_allocator_fits_and_the_next_size_up_it
     assert found.plan.modules  # (it needs recompute)
     assert found.batch in found.by_allocator and "by the CPU allocator" in str(found)
     up_args, up_kwargs = make(found.batch + 1)
-    prof = autoremat.profile(model, up_args, up_kwargs, memory="allocator")
-    lowest = plan_from_profile(model, prof, profile_lowest(prof))
+    prof = autoremat.profile(model, up_args, up_kwargs)
+    by_allocator = rehearsal_for(prof, memory="allocator")
+    least = profile_lowest(prof, rehearsal=by_allocator)
+    lowest = plan_from_profile(model, prof, least, rehearsal=by_allocator)
     up = lowest.apply(copy.deepcopy(model))
     measured = autoremat.measure_training(up, up_args, up_kwargs, optimizer="sgd")
     assert measured.allocated is not None and measured.allocated > found.device.limit

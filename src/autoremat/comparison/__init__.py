@@ -58,7 +58,6 @@ from autoremat.comparison.contenders import (
     applied_plan,
     budget_plan,
     every_block,
-    find_blocks,
     levels_plan,
     no_recompute,
     sqrt_segments,
@@ -68,6 +67,7 @@ from autoremat.comparison.inductor import compiled, graph_flops
 from autoremat.comparison.report import to_markdown
 from autoremat.comparison.row import Row
 from autoremat.comparison.saved import saved_by_autograd
+from autoremat.record.tree import find_blocks
 
 __all__ = [
     "Applied",

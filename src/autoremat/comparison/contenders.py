@@ -22,7 +22,7 @@ from autoremat.core import huggingface
 from autoremat.planning.plan import lowest_budget, plan
 from autoremat.planning.plan_for_compile import plan_for_compile
 from autoremat.planning.plans import Plan
-from autoremat.record.tree import Node, build_tree
+from autoremat.record.tree import build_tree, find_blocks
 from autoremat.wrap.wrapping import apply as wrap_apply
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
     "budget_plan",
     "describe_paths",
     "every_block",
-    "find_blocks",
     "levels_plan",
     "no_recompute",
     "plan_without_tree",
@@ -50,33 +49,6 @@ def no_recompute() -> Contender:
         return Applied(model)
 
     return Contender(BASELINE, apply)
-
-
-def find_blocks(tree: Node) -> list[str]:
-    """The paths of the model's "blocks": the largest group of sibling nodes of ``tree`` that
-    have the same class and are not leaves.
-
-    Siblings are the children of one node (containers such as ``nn.ModuleList`` that never
-    ran are dissolved by :func:`autoremat.build_tree`, so ``h.0 .. h.11`` are siblings). Ties
-    go to the shallower group, then to the group met first (depth first, registration order).
-    A group needs at least two members; returns ``[]`` when there is none (a plain chain of
-    leaves, a model without repeated structure). Pure: reads the tree only.
-    """
-    best: list[Node] = []
-    best_depth = 0
-    stack: list[tuple[Node, int]] = [(tree, 0)]
-    while stack:
-        node, depth = stack.pop()
-        groups: dict[str, list[Node]] = {}
-        for child in node.children:
-            if not child.is_leaf:
-                groups.setdefault(child.type_name, []).append(child)
-        for group in groups.values():
-            size = len(group)
-            if size >= 2 and (size > len(best) or (size == len(best) and depth + 1 < best_depth)):
-                best, best_depth = group, depth + 1
-        stack.extend((child, depth + 1) for child in reversed(node.children))
-    return [n.path for n in best]
 
 
 def _every_block(model: nn.Module, args: Args, kwargs: Kwargs) -> Applied | None:

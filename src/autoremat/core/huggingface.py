@@ -32,9 +32,11 @@ from torch._subclasses.fake_tensor import is_fake
 from autoremat.core.classes import Hook, pickle_as_plain, stop_pickling_as_plain
 
 __all__ = [
+    "MASK_QUESTIONS",
     "cache_modules",
     "cache_off_in_training",
     "is_pretrained_model",
+    "mask_answers",
     "ordinary_positions_on_meta",
     "remove_cache_hooks",
     "turn_cache_off_in_training",
@@ -172,6 +174,41 @@ def ordinary_positions_on_meta() -> Iterator[None]:
         yield
     finally:
         masks.find_packed_sequence_indices = found  # type: ignore[union-attr]
+
+
+# Hugging Face's functions that read a padding mask's values to decide whether attention may
+# skip its mask (SDPA's ``is_causal``): on fake tensors they answer "no" and a mask is made
+# that the real step does not make.
+MASK_QUESTIONS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+
+
+@contextlib.contextmanager
+def mask_answers(answers: list[bool], replay: bool = False) -> Iterator[None]:
+    """While active, the answers of :data:`MASK_QUESTIONS` (``transformers.masking_utils``,
+    when imported) are appended to ``answers`` as a step with values gives them; with
+    ``replay``, a step without values (fake tensors) gets them back from ``answers``, in
+    order (again from the first once all were given: a recompute asks again)."""
+    masks = sys.modules.get("transformers.masking_utils")
+    asked = {n: getattr(masks, n) for n in MASK_QUESTIONS if hasattr(masks, n)}
+    given = iter(range(1 << 62))
+
+    def answer(name: str) -> Any:
+        def ask(*args: Any, **kwargs: Any) -> bool:
+            if replay and answers:
+                return answers[next(given) % len(answers)]
+            found = bool(asked[name](*args, **kwargs))
+            answers.append(found)
+            return found
+
+        return ask
+
+    for name in asked:
+        setattr(masks, name, answer(name))
+    try:
+        yield
+    finally:
+        for name, original in asked.items():
+            setattr(masks, name, original)
 
 
 def _no_cache_pre_hook(

@@ -4,14 +4,9 @@ backward, which costs only the inputs that would otherwise have died sooner.
 Not charged: an input saved inside the node (freed with it, or kept anyway), one that a node
 ended earlier saved (alive until that node's backward, after this one's: a BERT layer's output
 block takes the attention output the intermediate block's Linear saved), and one the model
-returns (the step holds it: T5's encoder output). An input that earlier nodes took too is
-charged once when one of them is recomputed (:func:`shared_inputs`: Falcon's attention and
-MLP both take one LayerNorm's output). An input the step holds anyway for a while is charged
-only when it would be gone (:func:`alive_inputs`): one a node after it saves (a LoRA layer's
-input, which its frozen base layer does not save and its ``lora_A`` does), one nothing saves
-until the code lets it go. An input saved inside the node is charged in the node's backward,
-once the grad_fns that saved it have run (:func:`kept_inputs`: an LSTM cell's previous cell
-state). Pure functions over a recording and its timeline, as
+returns (the step holds it: T5's encoder output). An input saved inside the node is charged
+in the node's backward, once the grad_fns that saved it have run (:func:`kept_inputs`: an
+LSTM cell's previous cell state). Pure functions over a recording and its timeline, as
 :mod:`autoremat.costs.model`.
 """
 
@@ -25,10 +20,7 @@ from autoremat.record.recording import Recording
 from autoremat.record.tree import Node
 
 __all__ = [
-    "NEVER",
     "Released",
-    "Spans",
-    "alive_inputs",
     "alive_until_after",
     "charged_inputs",
     "consumers",
@@ -36,10 +28,7 @@ __all__ = [
     "kept_inputs",
     "released_inputs",
     "same_storage",
-    "shared_inputs",
 ]
-
-Spans = tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # (bytes, (start, end) of nodes)
 
 
 def consumers(rec: Recording) -> dict[int, list[Node]]:
@@ -65,99 +54,6 @@ def charged_inputs(
             if not saved_inside and not alive_until_after(rec, line, n, n, key, freers[key]):
                 found[n][key] = size
     return found
-
-
-def shared_inputs(
-    rec: Recording, line: Timeline, charged: dict[Node, dict[int, int]]
-) -> dict[Node, Spans]:
-    """For each node, its ``charged`` inputs that nodes ended before it began took as inputs
-    too, grouped as ``(bytes, spans of those nodes)``: when one of them is recomputed, its
-    checkpoint keeps the input until its own backward, after this node's, so this node's
-    charge is not paid again (Falcon's attention and MLP both take one LayerNorm's output)."""
-    takers = consumers(rec)
-    found: dict[Node, Spans] = {}
-    for n, keys in charged.items():
-        if n not in line.spans:
-            continue
-        groups: dict[tuple[tuple[int, int], ...], int] = defaultdict(int)
-        for key, size in keys.items():
-            holders = _earlier_takers(rec, line, takers[key], n, key)
-            if holders:
-                groups[holders] += size
-        if groups:
-            found[n] = tuple((b, h) for h, b in groups.items())
-    return found
-
-
-def _earlier_takers(
-    rec: Recording, line: Timeline, takers: list[Node], n: Node, key: int
-) -> tuple[tuple[int, int], ...]:
-    """The spans of the ``takers`` of input ``key`` of ``n`` that ended before ``n`` began,
-    taking that very storage (a freed storage's key is reused), in order."""
-    begin, here = line.spans[n][0], line.events[n][0]
-    return tuple(
-        sorted(
-            line.spans[c]
-            for c in takers
-            if c in line.spans
-            and line.spans[c][1] < begin
-            and same_storage(rec, key, line.events[c][0], here)
-        )
-    )
-
-
-def alive_inputs(
-    rec: Recording, line: Timeline, charged: dict[Node, dict[int, int]]
-) -> dict[Node, tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...]]:
-    """For each node, its ``charged`` inputs the step without recompute holds anyway for a
-    while, grouped as ``(bytes, forward until, backward above, spans of earlier takers)``: at
-    the points of the forward before ``forward until`` and at those after it above ``backward
-    above``, the checkpoint's keeping them costs nothing, unless an earlier taker is chosen
-    (its checkpoint holds them longer: :func:`shared_inputs` credits them then). One a node
-    ending after it saved (the same storage: a LoRA layer's input, which its ``lora_A``
-    saves) lives through the forward, and after it while that node's backward has not begun
-    (above its end); one nothing saves lives until the code lets it go
-    (:meth:`Recording.costs_from`), and not after the forward (:data:`NEVER`
-    above)."""
-    takers = consumers(rec)
-    found: dict[Node, tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...]] = {}
-    for n, keys in charged.items():
-        if n not in line.spans:
-            continue
-        groups: dict[tuple[int, int, tuple[tuple[int, int], ...]], int] = defaultdict(int)
-        for key, size in keys.items():
-            alive = _alive(rec, line, n, key)
-            if alive is not None:
-                groups[(*alive, _earlier_takers(rec, line, takers[key], n, key))] += size
-        if groups:
-            found[n] = tuple((b, u, a, h) for (u, a, h), b in sorted(groups.items()))
-    return found
-
-
-NEVER = 2**62  # a point no step reaches
-
-
-def _alive(rec: Recording, line: Timeline, n: Node, key: int) -> tuple[int, int] | None:
-    """``(forward until, backward above)`` for input ``key`` of ``n`` (:func:`alive_inputs`);
-    ``None`` when nothing is known to hold it."""
-    end, here = line.spans[n][1], line.events[n][0]
-    savers = [  # (those that saved this very storage: a freed storage's key is reused)
-        s
-        for s in rec.savers.get(key, (0, set()))[1]
-        if s in line.spans and same_storage(rec, key, *sorted((here, line.events[s][1])))
-    ]
-    ends = [line.spans[s][1] for s in savers if line.spans[s][1] > end]
-    if ends:
-        return NEVER, min(ends)
-    if savers:
-        return None
-    born = max((c for c in rec.made_at.get(key, []) if c <= here), default=None)
-    if born is None:
-        return None
-    costs = rec.costs_from(key, born)
-    if costs is None:
-        return NEVER, NEVER  # (it outlives the forward: who holds it after is not known)
-    return (line.ended_before[costs], NEVER) if costs < len(line.ended_before) else None
 
 
 def alive_until_after(

@@ -29,7 +29,6 @@ the reasoning and the measured error; in short, for a node checkpointed:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -191,7 +190,7 @@ def _passed_on(
 
 
 def released(
-    rec: Recording, ends: dict[Node, int], ended_before: Sequence[int] = ()
+    rec: Recording, ends: dict[Node, int]
 ) -> dict[Node, list[tuple[int, int, int]]]:
     """For each node, the storages saved for backward inside it that its forward no longer
     holds, part-way through, when the node is checkpointed: ``(point, storage, bytes)``.
@@ -200,10 +199,8 @@ def released(
     strictly below, created in ``r`` (not its input) and not part of its output, is held by
     nothing but autograd once ``r`` has ended: from point ``end[r] + 1`` on, a checkpointed
     ancestor's forward runs with those bytes gone (unless a selective recompute keeps them).
-    Sooner, and in ``r``'s own checkpointed forward too, when a forward that saved nothing
-    saw it die before ``r`` ended (:attr:`Recording.dies_at`; ``ended_before``: the
-    timeline's): from the point after the one of the event after which it adds to no
-    moment's peak.
+    (Perhaps sooner, when the forward's own code lets it go: the walk does not know, an
+    upper bound.)
     """
     parent, depth = rec.family
     found: dict[Node, list[tuple[int, int, int]]] = defaultdict(list)
@@ -216,10 +213,6 @@ def released(
         if r is None or r not in ends:
             continue
         point = ends[r] + 1
-        died = rec.died(key)
-        if died is not None and died < len(ended_before) and ended_before[died] < ends[r]:
-            point = ended_before[died] + 1
-            found[r].append((point, key, size))
         above = parent[r]
         while above is not None and key not in rec.input_keys[above]:
             found[above].append((point, key, size))
@@ -286,9 +279,8 @@ def held_from(
     """How the bytes a checkpoint of a node holds beyond the step without recompute change
     during its forward (``gone``: its :func:`released` storages; ``kept``: the outputs its
     selective way keeps, empty for a whole recompute): less what finished parts saved, which
-    its forward drops; more each kept output nothing saves, from the point in which the step
-    without recompute lets it go (:meth:`Recording.died`; from when it was made if that is not
-    known; never in the forward if it outlives it)."""
+    its forward drops; more each kept output nothing saves, from the point it was made (an
+    upper bound: the step without recompute may hold it a while too)."""
     cached = {key for uid, (key, _) in kept.items() if rec.kept_savers.get(uid)}
     return _steps(
         [(p, -size) for p, key, size in gone if key not in cached]
@@ -296,21 +288,9 @@ def held_from(
             (point, size)
             for uid, (key, size) in kept.items()
             if not rec.kept_savers.get(uid)
-            and (point := _kept_from(rec, line, uid, key)) is not None
+            for point in [line.ended_before[rec.born[uid]]]
         ]
     )
-
-
-def _kept_from(rec: Recording, line: Timeline, uid: int, key: int) -> int | None:
-    """The first point of the forward at which a kept output nothing saves is live only
-    because a selective recompute keeps it (``None``: not before the forward ends)."""
-    born = rec.born[uid]
-    if key not in rec.dies_at:  # (not known: from when it was made)
-        return line.ended_before[born]
-    costs = rec.costs_from(key, born, rec.born_nth.get(uid))
-    if costs is None or costs >= len(line.ended_before):
-        return None
-    return line.ended_before[costs]
 
 
 def recompute_peak(rec: Recording, line: Timeline, node: Node, freed: int, kept: Storages) -> int:
@@ -318,33 +298,21 @@ def recompute_peak(rec: Recording, line: Timeline, node: Node, freed: int, kept:
     selective, takes ``kept`` from its cache (0 when its backward never ran): when it begins,
     those of the step without recompute less ``freed``; then, at each moment of its forward up
     to its last save (where checkpoint's early stop ends the recompute), plus what the forward
-    had added since the node began, less the kept outputs made before that moment (in the
-    cache from the start, so counted already). A stretch in which kept outputs are made is cut
-    at each of their ops (:attr:`Recording.born_after`: its peak before the op), so that an
-    output is not counted twice after it was made."""
+    had added since the node began, less the kept outputs made before that moment's stretch
+    (in the cache from the start, so counted already; those made in it count twice there: an
+    upper bound)."""
     if node not in line.backward_now:
         return 0
     events = rec.events
     first, last = line.events[node]
     stop, high = rec.last_save.get(node, (first + 1, events[first][3]))
-    saved = rec.saved_after.get(node)
-    births = sorted(
-        (rec.born[uid], *rec.born_after.get(uid, (-1, 0)), size)
-        for uid, (_, size) in kept.items()
-    )
+    births = sorted((rec.born[uid], size) for uid, (_, size) in kept.items())
     began = events[first][3]
     stretches = [(i, events[i][2]) for i in range(first + 1, min(stop, last + 1))]
     most, gone, b = 0, 0, 0
     for i, peak in [*stretches, (stop, high)]:
-        while b < len(births) and births[b][0] < i:  # (made before the recompute's stretches)
-            gone += births[b][3]
-            b += 1
-        while b < len(births) and births[b][0] == i:
-            _, ops, before, size = births[b]
-            if i == stop and (saved is None or ops < 0 or ops >= saved):
-                break  # made after the last save (or not known when): not subtracted
-            most = max(most, (before if ops >= 0 else peak) - began - gone)
-            gone += size
+        while b < len(births) and births[b][0] < i:
+            gone += births[b][1]
             b += 1
         most = max(most, peak - began - gone)
     return line.backward_now[node] - freed + kept_let_go(rec, node, kept) + most

@@ -54,10 +54,9 @@ from autoremat.core.sizes import format_size
 from autoremat.costs import inputs
 from autoremat.costs import model as cost_model
 from autoremat.costs.model import Recast, Run, Storages
-from autoremat.costs.shared_casts import LateGroups, late_casts, shared_casts
 from autoremat.costs.timeline import Timeline, timeline
 from autoremat.record.recording import Recording, record_step
-from autoremat.record.step import Autocast, LossFn, no_ambient_autocast, step_autocast
+from autoremat.record.step import Autocast, LossFn, Step, no_ambient_autocast, step_autocast
 from autoremat.record.timing import DEFAULT_OVERHEADS, overheads, time_forward
 from autoremat.record.tree import Node, build_tree
 
@@ -134,32 +133,15 @@ class NodeCost:
     ``ops`` is the number of op calls of the node's forward and ``op_seconds`` their time.
     ``recast``: under autocast, the weights its forward found cast by an earlier node, which
     its recompute casts again and holds until its backward has used them
-    (:class:`autoremat.costs.model.Recast`), in any way: ``recast.groups`` the bytes, each
-    counted unless the nodes holding the first copies are recomputed too (the planner works
-    that out from the plan), ``recast.moments`` the stretches of its backward while they
-    live; not in ``recompute_peak``.
+    (:class:`autoremat.costs.model.Recast`): ``recast.groups`` the bytes, ``recast.moments``
+    the stretches of its backward while they live; not in ``recompute_peak``.
     ``cached``: the part of ``freed`` that stays live until the forward ends whether or not
     the node is checkpointed (under autocast, the weight casts autocast's cast cache keeps
     until its region ends, :func:`autoremat.costs.model.cached_bytes`): recomputing the node
     frees ``freed - cached`` at the points of the forward after it, ``freed`` after the
-    forward. ``shared_casts``: such casts that nodes before it saved too (a shared module's
-    weights), ``(bytes, ends of those nodes)``: freed after the forward, from its end, when
-    those nodes are recomputed too (:func:`autoremat.costs.shared_casts.shared_casts`; the planner
-    works that out from the plan), in any way. ``shared_inputs``: inputs in ``held`` that
-    nodes ended before it began took too, ``(bytes, (start, end) of those nodes)``: not held
-    again when one of them is recomputed, in any way, since its checkpoint keeps them longer
-    (:func:`autoremat.costs.inputs.shared_inputs`). ``late_casts``: such casts that nodes
-    after it saved too (:data:`autoremat.costs.shared_casts.LateGroup`): with it
-    recomputed, gone once those of them not recomputed have used it
-    (:func:`autoremat.costs.shared_casts.late_casts`).
-    ``kept_inputs``: ``(point, bytes)``, how much more than the step without recompute its
-    checkpoint holds at the points of its backward by keeping its inputs to the end of it
-    (:func:`autoremat.costs.inputs.kept_inputs`).
-    ``alive_inputs``: inputs in ``held`` the step
-    without recompute holds anyway for a while, ``(bytes, forward until, backward above,
-    spans of earlier takers)``: unless one of those is recomputed, not held beyond it at the
-    points of the forward before the one, nor after the forward at those above the other
-    (:func:`autoremat.costs.inputs.alive_inputs`).
+    forward. ``kept_inputs``: ``(point, bytes)``, how much more than the step without
+    recompute its checkpoint holds at the points of its backward by keeping its inputs to the
+    end of it (:func:`autoremat.costs.inputs.kept_inputs`).
     """
 
     path: str
@@ -185,11 +167,7 @@ class NodeCost:
     ways: tuple[WayCost, ...] = ()
     recast: Recast = field(default_factory=Recast)
     cached: int = 0
-    shared_casts: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    shared_inputs: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
-    late_casts: LateGroups = ()
     kept_inputs: tuple[tuple[int, int], ...] = ()
-    alive_inputs: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...] = ()
 
     def way(self, name: str) -> WayCost:
         """The selective way called ``name``; ``KeyError`` naming the ways if none."""
@@ -222,8 +200,10 @@ class Profile:
     type of the device the step ran on (``"cpu"``, ``"cuda"``), or ``"meta"``, where nothing
     runs and times are estimated from FLOPs and bytes. ``op_overhead`` and
     ``selective_op_overhead`` are the seconds a recompute adds per op beyond the op itself,
-    plain and selective (:func:`~autoremat.record.timing.overheads`). ``memory``: what its
-    bytes count, ``"tensors"`` or ``"allocator"`` (kernels' scratch too, :func:`profile`).
+    plain and selective (:func:`~autoremat.record.timing.overheads`).
+    ``step``: the step it recorded (the model, its inputs, loss and autocast), which a plan
+    made from it runs again to state its peak (:mod:`autoremat.planning.rehearsal`); ``None``
+    for a profile that no step made (scaled from others).
     """
 
     tree: Node
@@ -235,7 +215,7 @@ class Profile:
     backward_points: tuple[tuple[int, int], ...] = ()
     op_overhead: float = 0.0
     selective_op_overhead: float = 0.0
-    memory: str = "tensors"
+    step: Step | None = field(default=None, repr=False, compare=False)
 
     def __getitem__(self, path: str) -> NodeCost:
         """The costs of node ``path``: a module that ran once, or one call ``path@k`` of a
@@ -298,16 +278,9 @@ def profile(
     loss_fn: LossFn | None = None,
     autocast: Autocast | torch.dtype | None = None,
     hf_cache: bool = False,
-    memory: str = "tensors",
     timed: bool = True,
 ) -> Profile:
     """Per-node costs of ``model`` on the example inputs (see the module docstring).
-
-    ``memory``: what the step's bytes are, as :func:`autoremat.measure` names them:
-    ``"tensors"`` (the tracker's, :class:`~autoremat.record.memory.LiveMemory`) or, for a step
-    on the CPU, ``"allocator"``: each moment also counts the scratch buffers kernels allocate
-    inside an op (a convolution's backward on the CPU), as the CPU allocator saw them
-    (:func:`~autoremat.record.scratch.with_scratch`), so plans bound the allocator's figure.
 
     Hugging Face models train without their key/value cache here, as every applied plan
     makes them (:mod:`autoremat.core.huggingface`); with ``hf_cache`` they fill it, as the model
@@ -329,9 +302,8 @@ def profile(
     (:func:`autoremat.record.snapshot.preserved`). Shows a progress line on a terminal.
 
     Raises:
-        ValueError: the model has modules wrapped by autoremat (remove them first), the
-            loss is not a scalar that requires grad, or ``memory="allocator"`` for a step not
-            on the CPU.
+        ValueError: the model has modules wrapped by autoremat (remove them first), or the
+            loss is not a scalar that requires grad.
         ExampleInputsError: (a ValueError) the example inputs fail in forward; the message
             names the module.
     """
@@ -340,27 +312,11 @@ def profile(
             "profile needs the unwrapped model (a checkpointed module saves nothing to "
             "measure): call autoremat.remove(model) first"
         )
-    if memory not in PROFILE_MEMORY:
-        raise ValueError(f"memory must be one of {PROFILE_MEMORY}, got {memory!r}")
     autocast = step_autocast(autocast, model)
     with no_ambient_autocast(), switched_off(model) as own:
         if own:
             logger.warning("%s", turned_off_message(type(model).__name__, own, "for the profile"))
-        return _profile(model, args, kwargs, loss_fn, autocast, hf_cache, memory, timed)
-
-
-PROFILE_MEMORY = ("tensors", "allocator")
-
-
-def _check_allocator(memory: str, tensors: list[torch.Tensor]) -> None:
-    """Refuse ``memory="allocator"`` for a step not all on the CPU."""
-    where = {t.device.type for t in tensors}
-    if memory == "allocator" and where - {"cpu"}:
-        raise ValueError(
-            f"memory='allocator' profiles a step on the CPU (the CPU allocator's events), but "
-            f"this one runs on {', '.join(sorted(where - {'cpu'}))}: use memory='tensors' "
-            f"(on CUDA, autoremat.DeviceModel prices the allocator's share)"
-        )
+        return _profile(model, args, kwargs, loss_fn, autocast, hf_cache, timed)
 
 
 def _profile(
@@ -370,17 +326,14 @@ def _profile(
     loss_fn: LossFn | None,
     autocast: Autocast | None,
     hf_cache: bool,
-    memory: str = "tensors",
     timed: bool = True,
 ) -> Profile:
     tensors = [*(t for _, t in iter_tensors((args, kwargs))), *model.parameters()]
-    _check_allocator(memory, tensors)
     meta = any(t.device.type == "meta" for t in tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
     with ordinary_positions_on_meta() if meta else contextlib.nullcontext():
         modules = build_tree(model, args, kwargs)  # (with the cache off too: no mask reads)
-    allocator = memory == "allocator"
-    rec = record_step(model, args, kwargs, modules, loss_fn, meta, autocast, hf_cache, allocator)
+    rec = record_step(model, args, kwargs, modules, loss_fn, meta, autocast, hf_cache)
     tree = rec.tree
     line = timeline(tree, rec.events, {p: now for p, (_, now) in rec.unpacked.items()})
     times = _Times(meta=meta or not timed)
@@ -401,7 +354,7 @@ def _profile(
         backward_points=line.backward_points,
         op_overhead=times.overheads[0],
         selective_op_overhead=times.overheads[1],
-        memory=memory,
+        step=Step(model, args, kwargs or {}, loss_fn, autocast, tuple(rec.mask_answers)),
     )
 
 
@@ -434,13 +387,9 @@ class _Assembly:
         freers = cost_model.freers(rec, line)
         charged = inputs.charged_inputs(rec, line, freers)
         self.freed, self.charged = cost_model.freed_bytes(rec, freers, charged)
-        self.shared_inputs = inputs.shared_inputs(rec, line, charged)
-        self.alive_inputs = inputs.alive_inputs(rec, line, charged)
         self.cached = cost_model.cached_bytes(rec, freers)
-        self.shared = shared_casts(rec, line)
-        self.late = late_casts(rec, line)
         ends = {node: end for node, (_, end) in line.spans.items()}
-        self.released = cost_model.released(rec, ends, line.ended_before)
+        self.released = cost_model.released(rec, ends)
         self.reads = cost_model.cast_reads_within(rec)
         released = inputs.released_inputs(rec, line)
         self.kept_inputs = inputs.kept_inputs(rec, line, released)
@@ -507,11 +456,7 @@ class _Assembly:
             ways=ways,
             recast=self.recasts.get(node, Recast()),
             cached=self.cached[node],
-            shared_casts=self.shared.get(node, ()),
-            shared_inputs=self.shared_inputs.get(node, ()),
-            late_casts=self.late.get(node, ()),
             kept_inputs=self.kept_inputs.get(node, ()),
-            alive_inputs=self.alive_inputs.get(node, ()),
         )
         return kept
 

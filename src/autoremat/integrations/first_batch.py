@@ -27,14 +27,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from autoremat.core.devices import model_device
 from autoremat.costs.profile import profile
 from autoremat.planning.broadcast_plan import broadcast_plan
 from autoremat.planning.plan import plan_from_profile
 from autoremat.planning.plans import Plan
+from autoremat.planning.rehearsal import rehearsal_for
 from autoremat.planning.strategies.budget import BudgetTooLow
+from autoremat.record.shadow import meta_shadow
 from autoremat.record.snapshot import fsdp_classes
 from autoremat.record.step import LossFn
-from autoremat.training.fit import meta_shadow
 from autoremat.training.optimizer_memory import OptimizerLike
 from autoremat.training.plan_for_device import plan_for_device
 
@@ -127,7 +129,8 @@ class FirstBatchPlanner:
             return plan_for_device(profiled, args, kwargs, device_memory=self.device_memory,
                                    optimizer=self.optimizer, loss_fn=self.loss_fn, **how)  # type: ignore[arg-type]  # fmt: skip
         prof = profile(profiled, args, kwargs, loss_fn=self.loss_fn)
-        return plan_from_profile(model, prof, self.budget, **how)  # type: ignore[arg-type]
+        rehearsal = rehearsal_for(prof, model_device(model))  # (counted as on the device)
+        return plan_from_profile(model, prof, self.budget, rehearsal=rehearsal, **how)  # type: ignore[arg-type]
 
 
 def _redirected(model: nn.Module) -> bool:

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map
 
 from autoremat.integrations.first_batch import FirstBatchPlanner, sharded_paths
 from autoremat.planning.plans import Plan
-from autoremat.training.shadow import meta_shadow
+from autoremat.record.shadow import meta_shadow
 from autoremat.wrap.wrapping import remove
 
 __all__ = ["AutoRematLightning"]

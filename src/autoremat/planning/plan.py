@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -13,6 +14,8 @@ from torch import nn
 from autoremat.costs.profile import Profile, profile
 from autoremat.planning.fingerprint import fingerprint, structure
 from autoremat.planning.plans import Plan
+from autoremat.planning.rehearsal import Rehearsal
+from autoremat.planning.search import Judge
 from autoremat.planning.strategies import budget as budget_strategy
 from autoremat.planning.strategies import levels as levels_strategy
 from autoremat.planning.strategy import Request, Strategy
@@ -20,7 +23,14 @@ from autoremat.record.compiled import running_eagerly
 from autoremat.record.step import LossFn
 from autoremat.record.tree import Node, build_tree
 
-__all__ = ["STRATEGIES", "lowest_budget", "plan", "plan_from_profile", "profile_lowest"]
+__all__ = [
+    "STRATEGIES",
+    "lowest_budget",
+    "plan",
+    "plan_from_profile",
+    "planned",
+    "profile_lowest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -152,23 +162,55 @@ def plan_from_profile(
     *,
     selective: bool = True,
     objective: str = "time",
+    rehearsal: Rehearsal | None = None,
 ) -> Plan:
     """The budget plan :func:`plan` would make for ``model`` from ``prof``, a profile of it
-    (or of a copy of it of the same structure, such as one on ``meta``): nothing runs, and
-    nothing is logged (the plan's ``warnings`` say what :func:`plan` would log).
+    (or of a copy of it of the same structure, such as one on ``meta``): the model is not run
+    again (plans are run on a shadow of the profiled step, or by ``rehearsal``:
+    :mod:`autoremat.planning.rehearsal`), and nothing is logged (the plan's ``warnings`` say
+    what :func:`plan` would log).
 
     Raises:
         BudgetTooLow, ValueError: as :func:`plan`.
     """
     request = Request(type(model).__name__, None, budget, None, selective, objective)
-    request = budget_strategy.STRATEGY.check(request)
+    request = budget_strategy.STRATEGY.check(dataclasses.replace(request, rehearsal=rehearsal))
     return _made(model, "budget", prof.module_tree, budget_strategy.STRATEGY.choose(prof, request))
 
 
-def profile_lowest(prof: Profile, *, selective: bool = True, objective: str = "time") -> int:
-    """:func:`lowest_budget` from ``prof``, a profile already made: nothing runs."""
-    request = Request("model", None, 1, None, selective, objective)
-    return budget_strategy.lowest(prof, budget_strategy.STRATEGY.check(request))
+def planned(
+    model: nn.Module,
+    planner: budget_strategy.Planner,
+    limit: int,
+    judge: Judge | None = None,
+    too_low: Callable[[], Exception] | None = None,
+) -> Plan:
+    """The cheapest plan ``planner`` finds for ``model`` whose step peaks at most ``limit``,
+    or that ``judge`` says fits (:meth:`~autoremat.planning.strategies.budget.Planner.cheapest`:
+    a whole step on a device, a rank's), its budget ``limit``.
+
+    Raises:
+        BudgetTooLow: none does (or ``too_low()``, when given).
+    """
+    found = planner.cheapest(limit, judge)
+    if found is None:
+        raise (too_low or (lambda: planner.too_low(limit)))()
+    chosen, peak = found
+    return _made(model, "budget", planner.prof.module_tree, planner.fields(chosen, limit, peak))
+
+
+def profile_lowest(
+    prof: Profile,
+    *,
+    selective: bool = True,
+    objective: str = "time",
+    rehearsal: Rehearsal | None = None,
+) -> int:
+    """:func:`lowest_budget` from ``prof``, a profile already made (plans run as
+    :func:`plan_from_profile` runs them)."""
+    request = Request("model", None, 1, None, selective, objective, rehearsal=rehearsal)
+    planner = budget_strategy.Planner(prof, budget_strategy.STRATEGY.check(request), rehearsal)
+    return planner.lowest()[1]
 
 
 def lowest_budget(
@@ -182,8 +224,10 @@ def lowest_budget(
     autocast: Any = None,
 ) -> int:
     """The lowest budget, in bytes, that :func:`plan` meets for this model and inputs: the
-    least predicted step peak any plan reaches (the same figure an infeasible budget's error
-    states). Profiles one training step; the model is left as found.
+    lowest step peak among the plans the planner makes (each run: the walk's lowest plan,
+    every block and every block's children recomputed), the same figure an infeasible
+    budget's error states. A plan at it holds; a budget below it raises
+    :class:`~autoremat.BudgetTooLow`. Profiles one training step; the model is left as found.
 
     Raises:
         ValueError: no submodule ran, or ``objective`` is unknown; see :func:`plan`.
@@ -191,4 +235,4 @@ def lowest_budget(
     request = Request(type(model).__name__, None, 1, loss_fn, selective, objective, autocast)
     request = budget_strategy.STRATEGY.check(request)
     prof, _ = _evidence(budget_strategy.STRATEGY, model, args, kwargs, request)
-    return budget_strategy.lowest(prof, request)
+    return budget_strategy.Planner(prof, request).lowest()[1]

@@ -28,6 +28,7 @@ def planning_tree(
     selective: bool = True,
     skipped: dict[str, str] | None = None,
     objective: str = "time",
+    rng_state: int = 0,
 ) -> Item:
     """The budget strategy's view of a profile: one :class:`Item` per node (per call of a
     module: a module that ran several times has an item per call, each chosen on its own),
@@ -42,8 +43,12 @@ def planning_tree(
     (:class:`~autoremat.NodeCost` ``op_seconds`` and the profile's per-op overheads), so
     cheap in FLOPs is not taken for free in time; with ``"flops"``, by FLOPs
     (:attr:`Item.cost`). The modules left out that would have freed memory are written to
-    ``skipped`` (by module path), with the reason."""
+    ``skipped`` (by module path), with the reason. ``rng_state``: the bytes of the RNG state
+    a checkpoint keeps from its forward to the end of its backward, and its recompute once
+    more while it runs (on the CPU, :class:`~autoremat.record.memory.LiveMemory` counts
+    them): held in each node's span, less freed, twice at its recompute."""
     builder = _Builder(prof, selective, objective, {} if skipped is None else skipped)
+    builder.rng = rng_state
     return builder.build(prof.tree)
 
 
@@ -76,6 +81,25 @@ class _Builder:
     def __init__(self, prof: Profile, selective: bool, objective: str, skipped: dict[str, str]):
         self.prof, self.selective, self.objective = prof, selective, objective
         self.skipped = skipped
+        self.rng = 0  # the RNG state's bytes a checkpoint keeps
+
+    def peak(self, recompute_peak: int, buffers: int, cost: NodeCost | None = None,
+             held: int = 0) -> int:  # fmt: skip
+        """A recompute's peak with the buffers the wrap copies and its two RNG states (none
+        when its backward never ran); for a node (``cost``), with every weight cast its
+        recompute makes again (:class:`~autoremat.costs.model.Recast`), at its start and
+        at the moments of its backward while they live, its ``held`` bytes there."""
+        if not recompute_peak:
+            return 0
+        peak = recompute_peak + buffers + 2 * self.rng
+        if cost is None or not cost.recast.groups:
+            return peak
+        groups = cost.recast.groups
+        moments = (
+            b + sum(groups[g][0] for g in alive) + (held if p >= cost.start else 0)
+            for p, b, alive in cost.recast.moments
+        )
+        return max([peak + sum(size for size, _ in groups), *moments])
 
     def timed(self, cost: NodeCost, way: str) -> float | None:
         return way_seconds(self.prof, cost, way) if self.objective == "time" else None
@@ -90,25 +114,21 @@ class _Builder:
             path=node.path,
             start=cost.start,
             end=cost.end,
-            freed=cost.freed,
+            freed=cost.freed - self.rng,
             flops=cost.flops,
             candidate=reason is None,
             children=tuple(self.build(c) for c in kids),
-            recompute_peak=cost.recompute_peak + _buffer_bytes(node.module),
+            recompute_peak=self.peak(
+                cost.recompute_peak, _buffer_bytes(node.module), cost, cost.held + self.rng
+            ),
             runs=self.runs(cost, kids),
             written=cost.written,
-            held=cost.held,
+            held=cost.held + self.rng,
             held_from=cost.held_from,
             cached=cost.cached,
-            shared_casts=cost.shared_casts,
-            shared_inputs=cost.shared_inputs,
-            late_casts=cost.late_casts,
             kept_inputs=cost.kept_inputs,
-            alive_inputs=cost.alive_inputs,
             other_ways=self.other_ways(node, cost),
             seconds=self.timed(cost, FULL),
-            recasts=cost.recast.groups,
-            recast_moments=cost.recast.moments,
         )
 
     def runs(self, cost: NodeCost, kids: list[Node]) -> tuple[RunCost, ...]:
@@ -119,10 +139,10 @@ class _Builder:
             (
                 r.i,
                 r.j,
-                r.freed,
+                r.freed - self.rng,
                 sum(self.prof[c.path].flops for c in kids[r.i : r.j]),
-                r.recompute_peak + sum(_buffer_bytes(c.module) for c in kids[r.i : r.j]),
-                r.held,
+                self.peak(r.recompute_peak, sum(_buffer_bytes(c.module) for c in kids[r.i : r.j])),
+                r.held + self.rng,
                 r.held_from,
                 r.cached,
             )
@@ -146,22 +166,18 @@ class _Builder:
                     path=node.path,
                     start=cost.start,
                     end=cost.end,
-                    freed=way.freed,
+                    freed=way.freed - self.rng,
                     flops=way.flops,
-                    recompute_peak=way.recompute_peak + _buffer_bytes(node.module),
+                    recompute_peak=self.peak(
+                        way.recompute_peak, _buffer_bytes(node.module), cost, way.held + self.rng
+                    ),
                     written=way.written,
-                    held=way.held,
+                    held=way.held + self.rng,
                     held_from=way.held_from,
                     cached=way.cached,
-                    shared_casts=cost.shared_casts,
-                    shared_inputs=cost.shared_inputs,
-                    late_casts=cost.late_casts,
                     kept_inputs=cost.kept_inputs,
-                    alive_inputs=cost.alive_inputs,
                     way=way.way,
                     seconds=self.timed(cost, way.way),
-                    recasts=cost.recast.groups,
-                    recast_moments=cost.recast.moments,
                 )
             )
         return tuple(found)

@@ -58,6 +58,9 @@ class Plan:
     a budget close to the lowest peak any plan reaches), logged by :func:`autoremat.plan`; not
     saved. ``device``: the type of the device a budget plan's profile ran on (``"cpu"``,
     ``"cuda"``, ``"meta"``), for which its summary lists the ops kept; not saved.
+    ``estimated_by``: how ``estimated_peak`` was found (the plan's step run ``"on fake
+    tensors"``, ``"on meta"``, or as a real step, with why: :mod:`autoremat.planning.rehearsal`);
+    not saved.
     ``print(plan)``
     shows the choice, what was left out and the tree with the chosen modules marked ``*``.
     """
@@ -79,6 +82,7 @@ class Plan:
     calls: dict[str, int] = field(default_factory=dict, hash=False)
     warnings: dict[str, str] = field(default_factory=dict, hash=False, compare=False, repr=False)
     device: str | None = field(default=None, compare=False, repr=False)
+    estimated_by: str | None = field(default=None, compare=False, repr=False)
     fingerprint: str | None = None
     structure: tuple[str, ...] = field(default=(), repr=False)
     tree: Node | None = field(default=None, repr=False, compare=False)
@@ -244,9 +248,10 @@ class Plan:
             else ""
         )
         flops = "?" if self.recompute_flops is None else f"{self.recompute_flops / 1e9:.3f}"
+        by = f", its step run {self.estimated_by}" if self.estimated_by else ""
         line = (
             f"predicted peak {size(self.estimated_peak)} (budget {size(self.budget)}, "
-            f"no recompute {size(self.baseline_peak)}{share}), recompute adds {flops} GFLOP"
+            f"no recompute {size(self.baseline_peak)}{share}{by}), recompute adds {flops} GFLOP"
         )
         if self.recompute_seconds is not None:
             line += f" and {self.recompute_seconds * 1e3:.1f} ms (as profiled)"

@@ -1,68 +1,32 @@
-"""The budget solver: the cheapest set of planning items whose predicted step peak fits.
+"""The solver's walk: the cheapest set of planning items whose peak, as it prices it, fits.
 
 Pure: it reads :class:`Item` trees and points, and knows nothing of models, profiles or wraps
-(:mod:`autoremat.planning.planning_tree` makes the items from a profile). Cost model (see
-``docs/cost-model.md`` for the reasoning and the measured error):
+(:mod:`autoremat.planning.planning_tree` makes the items from a profile). It is the search's
+fast model of the step, not its figure: every plan it proposes is run before anyone sees a
+number (:mod:`autoremat.planning.search`). ``docs/cost-model.md`` gives the model:
 
 * Every tree node ``i`` is numbered by when its forward ended (``end``); ``start`` is how many
-  nodes had ended before it began. Recomputing ``i`` frees ``freed[i]`` bytes: what its
-  subtree saved for backward, less its inputs (the checkpoint keeps those), and costs
-  ``cost[i]`` (:attr:`Item.cost`: its recompute's measured seconds when the item has them, else
-  its forward FLOPs; bytes break ties).
+  nodes had ended before it began. Recomputing ``i`` frees ``freed[i]`` bytes after its end
+  (``freed - cached`` at the points of the forward: :attr:`Item.cached`, the weight casts
+  autocast's cache keeps until the forward ends) and costs :attr:`Item.cost`.
 * The profiled step without recompute gives *points* ``(p, bytes)``: at some moment ``bytes``
   were live while nodes ``0..p-1`` had finished their forward and not begun their backward.
-  Recomputing a set ``S`` of nodes, never one inside another, lowers that moment to
-  ``bytes - sum(freed[s] for s in S if end[s] < p)``: before a node's backward starts, its
-  activations are gone; once it starts, the recompute brings them all back, exactly as they
-  were in the step without recompute, gradients and all. At the points of the forward a node
-  frees ``freed[s] - cached[s]`` (:attr:`Item.cached`: under autocast, the weight casts the
-  cast cache keeps until the forward ends). The recompute itself adds the point
-  ``(start[s], recompute_peak[s])``: the most live bytes while it runs, temporaries included
-  (:class:`autoremat.NodeCost`), plus its :attr:`Item.recasts` whose holders are not
-  all in ``S`` (under autocast, the weight casts it makes again while the first copies
-  live: the one term that depends on what else is chosen). At the points inside its span
-  (``start[s] < p <= end[s]``), a chosen node holds more than the step without recompute (or
-  fewer), and how much depends on the phase: points come in two lists, those of the forward
-  pass (``forward``) and those after it.
-  While its own forward runs, it holds :meth:`Item.held_at` ``(p)``: the inputs the
-  checkpoint keeps, from its start; less what its finished parts saved, which a
-  checkpointed forward drops; more, for a selective recompute, each kept output nothing else
-  saved, from the point it was made. During its backward it holds its inputs only
-  (:attr:`Item.held_in_backward`): the recompute has brought the rest back, and taken the
-  cached outputs out of the cache; at some points more, the inputs the step would let go
-  part-way through that backward (:meth:`Item.held_back`). The predicted peak is the
-  maximum over the points; with ``S`` empty it is the profiled peak itself.
+  Recomputing a set ``S``, never one inside another, lowers that moment by what the nodes of
+  ``S`` ended before it free; a node's backward brings its activations back. Inside a chosen
+  node's span a point holds :meth:`Item.held_at` more in its forward, :meth:`Item.held_back`
+  more after it; its recompute adds the point ``(start, recompute_peak)``.
 
-The solver is exact under that model: a dynamic programme over the tree in execution order
-whose state is the set of Pareto-optimal ``(bytes freed so far, cost so far)`` pairs (when an
-item has :attr:`Item.cached`, triples: the bytes freed at the points of the forward too). At each
-node it either recomputes the node whole, in any of its ways (allowed when every point inside
-the node's span already fits with what was freed before it), or, for a plain
-``nn.Sequential``, a run of two or more consecutive children as one, or descends into its
-children. Points are checked as the walk passes them, so every kept state is feasible so far;
-a state with more bytes freed and less cost dominates, since what is feasible later depends
-only on the bytes freed. Bytes freed are counted up to the largest excess over the budget
-(more is worth nothing). Past ``MAX_STATES`` states, the frontier keeps one state per
-``1/MAX_STATES`` of that excess, the one that freed most: no feasible answer is lost, and the
-cost may exceed the optimum by what separates states within one step (never on small trees,
-where the frontier stays below it). With :attr:`Item.cached` it keeps two per step, the one
-that freed most and the one that freed most in the forward: a feasible answer between them
-could then be lost (the randomized test has found none). The work is
-``O((nodes x ways + runs) x frontier)``; ``runs`` is at most ``MAX_RUN`` per child of a
-Sequential. Recasts are not additive: when
-the walk takes an item that has some, it checks them in each state against that state's own
-choices (the holders ended before the item began, so they are decided); states are still
-merged by bytes freed and cost alone, so with recasts the answer fits but may not be the
-cheapest (a state merged away could have covered a later item's holders). The same holds for
-:attr:`Item.shared_casts`, added per state to what the item frees after the forward, and
-:attr:`Item.shared_inputs`, added per state in both phases. Two terms only
-:func:`~autoremat.planning.prediction.predict_peak` counts, not the walk, which prices them as
-not freed (so its answer fits and its estimate may be lower than the walk's bound; a plan that
-fits only thanks to them can be missed): :attr:`Item.late_casts` (a first call's weight copy,
-gone once the later calls that saved it and are not recomputed have run their backward, and
-made again by the first call's recompute while the step's figure still counts it) and
-:attr:`Item.alive_inputs` (inputs the step holds anyway for a while, which the checkpoint's
-keeping costs nothing then).
+The walk is a dynamic programme over the tree in execution order whose state is the set of
+Pareto-optimal ``(bytes freed so far, cost so far)`` pairs (with :attr:`Item.cached`, the bytes
+freed at the points of the forward too). At each node it recomputes the node whole, in any of
+its ways (when every point inside its span fits with what was freed before it), or, for a
+plain ``nn.Sequential``, a run of consecutive children as one, or descends into its children.
+Points are checked as the walk passes them, so every kept state is feasible so far; bytes
+freed are counted up to the largest excess over the budget. Exact under the model while the
+frontier holds at most ``MAX_STATES`` states; past that it keeps, per ``1/MAX_STATES`` of that
+excess, the state that freed most (with :attr:`Item.cached`, also the one that freed most in
+the forward): no feasible answer is lost, the cost may exceed the optimum by what separates
+states within one step. The work is ``O((nodes x ways + runs) x frontier)``.
 """
 
 from __future__ import annotations
@@ -71,7 +35,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 MAX_STATES = 1024
@@ -82,23 +46,11 @@ NONE = -(2**62)  # the bytes at a point where no moment was seen (below any budg
 FLOPS_PER_SECOND = 1e11
 TIE_PER_BYTE = 1e-3
 
-__all__ = ["Infeasible", "Item", "Late", "RunCost", "min_peak", "solve"]
+__all__ = ["Infeasible", "Item", "RunCost", "min_peak", "solve", "walk_peak"]
 
 # A run [i:j) of a node's children recomputed as one (a plain Sequential): (i, j, freed, flops,
 # recompute_peak, held, held_from, cached), the last six as :class:`Item` has them
 RunCost = tuple[int, int, int, int, int, int, tuple[tuple[int, int], ...], int]
-
-
-@dataclass
-class Late:
-    """What an item's :attr:`Item.late_casts` free for a plan (:meth:`Item.late_freed`):
-    ``spans``, ``(bytes, after, before, held)``, gone at the points ``p`` after the forward
-    with ``after < p < before`` outside the ``held`` spans; ``points``, point -> bytes the
-    step's figure there falls by; ``first``, bytes its recompute's peak counts once less."""
-
-    spans: list[tuple[int, int, int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
-    points: dict[int, int] = field(default_factory=dict)
-    first: int = 0
 
 
 @dataclass(frozen=True)
@@ -128,38 +80,10 @@ class Item:
     # the recompute's time, measured (ops and per-op overheads); None: priced from flops and
     # written bytes
     seconds: float | None = None
-    # under autocast, the weight casts its recompute makes again: (bytes, holders), more at
-    # its recompute's peak unless every holder (a node, by end) is chosen too (no holders:
-    # always); and (point, bytes, indexes into recasts): the live bytes of the step without
-    # recompute in each stretch of its backward, with the recasts still live then
-    recasts: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    recast_moments: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
     # the part of ``freed`` that stays live until the forward ends (under autocast, the weight
     # casts its forward made, which autocast's cast cache keeps until its region ends): at
     # the points of the forward the item frees ``freed - cached``, after it ``freed``
     cached: int = 0
-    # such casts that items before it saved too (a shared module's weights): (bytes, ends of
-    # those nodes), freed after the forward, from its end, when every one of them is chosen
-    shared_casts: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    # inputs it holds (in ``held``, so less in ``freed``) that nodes ended before it began
-    # took too: (bytes, (start, end) of those nodes); when one of them is chosen, its
-    # checkpoint keeps them until after this item's backward, so they are freed back, from
-    # its end, in both phases
-    shared_inputs: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
-    # such casts that nodes after it saved too (a shared module's first call casts the
-    # weights, later calls save the same copy): (bytes, (start, end) of those nodes by end,
-    # per node the (point, bytes) its span's points fall by once its grad_fns have used the
-    # copy, whether this node made it); with it chosen, the copy is gone once the later
-    # savers not chosen have used it (:meth:`late_freed`); in :func:`predict_peak` only
-    late_casts: tuple[
-        tuple[int, tuple[tuple[int, int], ...], tuple[tuple[tuple[int, int], ...], ...], bool],
-        ...,
-    ] = ()
-    # inputs it holds (in ``held``) that the step without recompute holds anyway for a while:
-    # (bytes, forward until, backward above, spans of earlier takers); unless one of those is
-    # chosen, not held beyond that step at the points of the forward from its start and
-    # before the one, nor after the forward at those above the other; in predict_peak only
-    alive_inputs: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...] = ()
     # (point, bytes) more it holds at those points of its backward, by keeping to its end
     # inputs the step without recompute frees part-way through it (:meth:`held_back`)
     kept_inputs: tuple[tuple[int, int], ...] = ()
@@ -197,78 +121,6 @@ class Item:
             written=sum(k.written for k in kids),
             seconds=None if None in seconds else sum(seconds),  # type: ignore[arg-type]
         )
-
-    def recast_with(self, chosen: Sequence[Item]) -> tuple[int, list[tuple[int, int]]]:
-        """When ``chosen`` (never one inside another) are recomputed, the bytes of
-        :attr:`recasts` its recompute adds (those without holders or with a holder no chosen
-        item covers), and its backward's moments ``(point, bytes)`` with them."""
-        covered = _covering(chosen)
-        counted = [
-            not holders or not all(covered(h) for h in holders) for _, holders in self.recasts
-        ]
-        moments = [
-            (p, b + sum(self.recasts[g][0] for g in alive if counted[g]) + self._inside(p))
-            for p, b, alive in self.recast_moments
-        ]
-        extra = sum(size for (size, _), count in zip(self.recasts, counted, strict=True) if count)
-        return extra, moments
-
-    def shared_freed(self, chosen: Sequence[Item]) -> int:
-        """The bytes of :attr:`shared_casts` it frees after the forward when ``chosen`` are
-        recomputed: those whose other savers ``chosen`` all cover."""
-        if not self.shared_casts:
-            return 0
-        covered = _covering(chosen)
-        return sum(b for b, ends in self.shared_casts if all(covered(e) for e in ends))
-
-    def late_freed(self, chosen: Sequence[Item]) -> Late:
-        """What :attr:`late_casts` free when ``chosen`` (this item among them) are recomputed.
-
-        A copy dies once the first later saver not chosen (``u``; none: every one is) has run
-        the grad_fns that used it; a chosen one uses its recompute's own copy. So it is gone
-        at the points after the forward between this item's end and ``u``'s start (the last
-        saver's when all are chosen: after its end :attr:`shared_casts` free it), but for those
-        inside a chosen item that holds a later saver, whose recompute casts it again; inside
-        each later saver's span up to ``u``, in the stretches after its grad_fns used it
-        (``credits``). When this node made the copy, its recompute makes it again while the
-        step's figure still holds the first: its recompute's peak counts it once less."""
-        late = Late()
-        if not self.late_casts:
-            return late
-        covered = _covering(chosen)
-        for size, savers, credits, remade in self.late_casts:
-            late.first += size if remade else 0
-            gone = next((k for k, (_, e) in enumerate(savers) if not covered(e)), None)
-            last = len(savers) - 1 if gone is None else gone
-            hold = [
-                (c.start, c.end)
-                for c in chosen
-                if any(c.start <= e <= c.end for _, e in savers[: last + 1])
-            ]
-            late.spans.append((size, self.end, savers[last][0], tuple(hold)))
-            for found in credits[: last + 1]:
-                for p, b in found:
-                    late.points[p] = max(late.points.get(p, 0), b)
-        return late
-
-    def input_credit(self, chosen: Sequence[Item]) -> int:
-        """The bytes of :attr:`shared_inputs` an earlier chosen item already holds, freed back
-        after this item's end when ``chosen`` are recomputed. (An item's span names its node:
-        a run's never equals a node's, as it begins with one child and ends with another.)"""
-        if not self.shared_inputs:
-            return 0
-        spans = {(c.start, c.end) for c in chosen}
-        return sum(b for b, holders in self.shared_inputs if any(h in spans for h in holders))
-
-    def recast_peak(self, chosen: Sequence[Item]) -> int:
-        """The most live bytes its recompute and backward reach with the recasts ``chosen``
-        leave (:meth:`recast_with`), before what items chosen earlier freed."""
-        extra, moments = self.recast_with(chosen)
-        return max([self.recompute_peak + extra, *(b for _, b in moments)])
-
-    def _inside(self, point: int) -> int:
-        # (a recast moment is one stretch: its bytes count the inputs kept there already)
-        return self.held_in_backward if point >= self.start else 0
 
     def held_back(self, point: int) -> int:
         """The bytes more than the step without recompute live at ``point`` of its backward
@@ -331,19 +183,6 @@ class Item:
         for child in self.children:
             out.extend(child.walk())
         return out
-
-
-def _covering(chosen: Sequence[Item]) -> Any:
-    """Whether a node (by its ``end``) is inside one of ``chosen`` (never one inside another):
-    the first chosen item ending at or after it begins at or before it."""
-    spans = sorted((c.end, c.start) for c in chosen)
-    ends = [e for e, _ in spans]
-
-    def covered(h: int) -> bool:
-        k = bisect.bisect_left(ends, h)
-        return k < len(spans) and spans[k][1] <= h
-
-    return covered
 
 
 class Infeasible(ValueError):
@@ -414,10 +253,8 @@ def solve(
     budget: int,
     forward: Sequence[tuple[int, int]] = (),
 ) -> list[Item]:
-    """The cheapest set of nodes under ``root`` whose predicted peak
-    (:func:`~autoremat.planning.prediction.predict_peak`, with the same ``points`` and
-    ``forward``) is at most ``budget`` (module docstring; with
-    :attr:`~Item.recasts`, a set that fits, not always the cheapest).
+    """The cheapest set of nodes under ``root`` whose peak, as the walk prices it (module
+    docstring; ``points`` after the forward, ``forward`` in it), is at most ``budget``.
 
     Raises:
         Infeasible: no set fits; :func:`min_peak` gives the lowest reachable peak.
@@ -466,8 +303,7 @@ class _Solver:
         self.cap = max(
             0,
             max(self.need) - budget,
-            # (every recast counted: nothing chosen covers a holder)
-            *(w.recast_peak(()) - budget for i in root.walk() for w in (i, *i.other_ways)),
+            *(w.recompute_peak - budget for i in root.walk() for w in (i, *i.other_ways)),
             # (the inputs a checkpoint keeps at the points of its backward)
             *(
                 self.after[p] + w.held + b - budget
@@ -480,7 +316,7 @@ class _Solver:
         self.grid = max(1, -(-self.cap // MAX_STATES))
         # some item frees less in the forward than after it: states carry both
         self.phased = any(
-            w.cached or w.shared_casts for i in root.walk() for w in (i, *i.other_ways)
+            w.cached for i in root.walk() for w in (i, *i.other_ways)
         ) or any(r[7] for i in root.walk() for r in i.runs)
         self.counter = itertools.count()
         self.useful: dict[int, bool] = {}
@@ -521,40 +357,15 @@ class _Solver:
             after = during = after + item.held if after > NONE else 0
         fits = self.feasible(states, max(after, item.recompute_peak))
         fits = self.forward_fits(fits, during)
-        if item.recasts:
-            fits = [s for s in fits if self.recasts_fit(item, s)]
         cap = self.cap
         if not self.phased:  # those that reach the cap become equal: keep the cheapest (last)
             capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
             fits = fits[max(0, capped - 1) :]
         freed, forward, cost, link = item.freed, item.freed_in_forward, item.cost, item
-        per_state = item.shared_casts or item.shared_inputs
-        extra = [self.credits(item, s) if per_state else (0, 0) for s in fits]
         return [
-            (
-                -min(freed + more - s[0], cap),
-                s[1] + cost,
-                k,
-                (link, s[3]),
-                -min(forward + more_forward - s[4], cap),
-            )
-            for s, (more, more_forward), k in zip(fits, extra, self.counter, strict=False)
+            (-min(freed - s[0], cap), s[1] + cost, k, (link, s[3]), -min(forward - s[4], cap))
+            for s, k in zip(fits, self.counter, strict=False)
         ]
-
-    @staticmethod
-    def credits(item: Item, state: _State) -> tuple[int, int]:
-        """What ``item`` frees beyond its own figures given ``state``'s choices (decided: they
-        ended before it began), after the forward and in it: its shared casts and the inputs
-        an earlier chosen item holds (:meth:`Item.shared_freed`, :meth:`Item.input_credit`)."""
-        chosen = _chosen(state)
-        credit = item.input_credit(chosen)
-        return item.shared_freed(chosen) + credit, credit
-
-    def recasts_fit(self, item: Item, state: _State) -> bool:
-        """Whether ``item``'s recompute and backward fit with the recasts ``state``'s choices
-        leave (its holders end before it begins: what covers them is chosen already)."""
-        room = self.budget - state[0]  # the budget plus what was freed before the item
-        return item.recast_peak(_chosen(state)) <= room
 
     def run(self, item: Item, states: list[_State]) -> list[_State]:
         """The states after ``item``'s span: it recomputed whole (any way), a run of its
@@ -587,15 +398,37 @@ class _Solver:
         return _merge([inside, *taken], self.grid, self.phased)
 
 
+def walk_peak(
+    chosen: Sequence[Item],
+    points: Sequence[tuple[int, int]],
+    forward: Sequence[tuple[int, int]] = (),
+) -> int:
+    """The peak the walk prices for recomputing ``chosen`` (never one inside another): what
+    :func:`solve` keeps at most its budget (module docstring); the profiled peak for none."""
+    after = [
+        (p, b + sum(s.held_back(p) for s in chosen if s.start <= p <= s.end)) for p, b in points
+    ]
+    after += [(s.start, s.recompute_peak) for s in chosen]
+    during = [
+        (p, b + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)) for p, b in forward
+    ]
+    return max(
+        [
+            *(b - sum(s.freed for s in chosen if s.end < p) for p, b in after),
+            *(b - sum(s.freed_in_forward for s in chosen if s.end < p) for p, b in during),
+        ],
+        default=0,
+    )
+
+
 def min_peak(
     root: Item, points: Sequence[tuple[int, int]], forward: Sequence[tuple[int, int]] = ()
 ) -> int:
-    """The lowest budget :func:`solve` meets (within 0.1% of the baseline above the lowest
-    predicted peak any plan reaches)."""
+    """The lowest budget :func:`solve` meets, to the byte (bisection: about 30 solves): no
+    plan of the walk fits a byte less, which the search's lowest peak relies on."""
     baseline = max((b for _, b in (*points, *forward)), default=0)
     lo, hi = 0, baseline  # hi is always feasible: the empty plan
-    tolerance = max(1, baseline // 1000)
-    while hi - lo > tolerance:
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         try:
             solve(root, points, mid, forward)

@@ -36,6 +36,8 @@ class Request:
     selective: bool = True
     objective: str = "time"
     autocast: Any = None  # as autoremat.profile takes it
+    # what runs a budget plan's step (a Rehearsal); None: the profile's own step
+    rehearsal: Any = None
 
 
 @dataclass(frozen=True)

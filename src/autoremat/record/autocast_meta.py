@@ -26,7 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["LOWER", "TO_FLOAT32", "MetaAutocast"]
+__all__ = ["LOWER", "TO_FLOAT32", "MetaAutocast", "meta_autocast_now"]
 
 _MATMULS = {
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
@@ -73,7 +73,7 @@ class MetaAutocast(TorchFunctionMode):
         if device_type not in LOWER:
             raise ValueError(f"device_type must be one of {list(LOWER)}, got {device_type!r}")
         self.lower, self.fp32 = LOWER[device_type], TO_FLOAT32[device_type]
-        self.dtype = dtype
+        self.device_type, self.dtype = device_type, dtype
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -88,6 +88,11 @@ class MetaAutocast(TorchFunctionMode):
             if widest is not None:
                 args, kwargs = tree_map(lambda v: self._cast(v, widest), (args, kwargs))
         return func(*args, **kwargs)
+
+    def again(self) -> MetaAutocast:
+        """A region of its own with the same casts (what a recompute runs in: checkpoint
+        enters an autocast region of its own for it, whose cast cache starts empty)."""
+        return MetaAutocast(self.device_type, self.dtype)
 
     def _cast(self, value: Any, dtype: torch.dtype) -> Any:
         if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
@@ -115,3 +120,11 @@ def _widest(tree: Any) -> torch.dtype | None:
         if isinstance(v, torch.Tensor) and v.is_floating_point()
     ]
     return max(floats, key=lambda d: torch.finfo(d).bits) if floats else None
+
+
+def meta_autocast_now() -> MetaAutocast | None:
+    """The innermost :class:`MetaAutocast` active where this is called, or ``None``."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    found = [m for m in _get_current_function_mode_stack() if isinstance(m, MetaAutocast)]
+    return found[-1] if found else None

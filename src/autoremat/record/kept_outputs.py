@@ -2,9 +2,8 @@
 
 :class:`~autoremat.record.recording.OpCosts` notes each such output here, under an id of its
 own (a storage's key, its address, can be taken by another storage once it is freed): when
-it was made (the event clock; the ops run before its op and the stretch's peak then), which
-of the storages made with its key it is, whether an op later wrote to it in place, and when
-the step, recomputing nothing, freed it (a ``weakref.finalize`` on its storage).
+it was made (the event clock), whether an op later wrote to it in place, and when the step,
+recomputing nothing, freed it (a ``weakref.finalize`` on its storage).
 """
 
 from __future__ import annotations
@@ -25,27 +24,18 @@ class KeptOutputs:
     def __init__(self, clock: Callable[[], int]) -> None:
         self.clock = clock
         self.born: dict[int, int] = {}  # id -> the clock when it was made
-        self.born_nth: dict[int, int] = {}  # id -> its key's storages made before it
-        # id -> (ops run before the op that made it, the stretch's peak before that op, the
-        # allocator's mark then)
-        self.born_after: dict[int, tuple[int, int, int]] = {}
         self.freed: dict[int, int] = {}  # id -> the clock when the step freed it
         self.changed: set[int] = set()  # ids changed in place after
         self.current: dict[int, int] = {}  # storage key -> the id of the output that has it
         self.ids = itertools.count()
         self.watches: list[weakref.finalize] = []
 
-    def made(
-        self, new: dict[int, int], before: tuple[int, int, int], made_at: dict[int, list[int]]
-    ) -> dict[int, int]:
-        """Ids for an op's new storages ``new`` (key -> bytes), made ``before`` as
-        :attr:`born_after` has it; ``made_at``: each key's births, this one's last."""
+    def made(self, new: dict[int, int]) -> dict[int, int]:
+        """Ids for an op's new storages ``new`` (key -> bytes), by key."""
         uids = {}
         for key in new:
             self.current[key] = uids[key] = uid = next(self.ids)
             self.born[uid] = self.clock()
-            self.born_nth[uid] = len(made_at[key]) - 1
-            self.born_after[uid] = before
         return uids
 
     def watch(self, out: Any, uids: dict[int, int]) -> None:

@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoremat.core.clock import timed
-from autoremat.core.devices import uses_cuda
+from autoremat.core.devices import model_device, uses_cuda
 from autoremat.core.sizes import format_size
 from autoremat.record.compiled import is_compiled, running_eagerly
 from autoremat.record.memory import CpuAllocatorMemory, CudaMemory, LiveMemory
@@ -168,7 +168,8 @@ def _step(model: nn.Module, args: Any, kwargs: Any, loss: LossFn, cast: Any,
 
 
 def _tracker(memory: str, model: nn.Module, cuda: bool) -> Any:
-    """The memory tracker ``memory`` names for this model (see :func:`measure`)."""
+    """The memory tracker ``memory`` names for this model (see :func:`measure`); the tensors'
+    as the model's device holds them (:meth:`LiveMemory.counting_as`)."""
     if memory not in MEMORY:
         raise ValueError(f"memory must be one of {', '.join(MEMORY)}, got {memory!r}")
     compiled = is_compiled(model)
@@ -177,13 +178,9 @@ def _tracker(memory: str, model: nn.Module, cuda: bool) -> Any:
             "memory='tensors' cannot measure a compiled model (dynamo would run it eagerly "
             "under the tracker); use memory='allocator' or 'auto'"
         )
-    if memory == "tensors":
-        return LiveMemory()
-    if cuda:
-        return CudaMemory()
-    if memory == "allocator" or compiled:
-        return CpuAllocatorMemory()
-    return LiveMemory()
+    if memory == "tensors" or not (cuda or memory == "allocator" or compiled):
+        return LiveMemory.counting_as(model_device(model))
+    return CudaMemory() if cuda else CpuAllocatorMemory()
 
 
 def _median_seconds(

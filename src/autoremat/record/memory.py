@@ -58,11 +58,33 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
+from typing_extensions import Self
 
-__all__ = ["CpuAllocatorMemory", "CudaMemory", "LiveMemory", "cpu_allocator_countable"]
+__all__ = [
+    "CUDA_BLOCK",
+    "CpuAllocatorMemory",
+    "CudaMemory",
+    "LiveMemory",
+    "block_bytes",
+    "cpu_allocator_countable",
+]
 
 # Ops that return a tensor made outside the dispatcher (torch.tensor(...) data) as their output.
 _FRESH_OPS = frozenset({torch.ops.aten.lift_fresh.default})
+
+# The CUDA caching allocator's rounding: every block a multiple of 512 bytes, at least 512
+# (``kMinBlockSize`` in ``c10/cuda/CUDACachingAllocator.cpp``); ``max_memory_allocated``
+# counts these blocks.
+CUDA_BLOCK = 512
+
+
+def block_bytes(nbytes: int, block: int = 1) -> int:
+    """The bytes an allocator that rounds every allocation up to a multiple of ``block``
+    (at least one block; nothing for an empty storage) gives ``nbytes``: ``block=1`` the bytes
+    themselves, :data:`CUDA_BLOCK` what the CUDA caching allocator counts as allocated."""
+    if nbytes <= 0 or block <= 1:
+        return max(nbytes, 0)
+    return -(-nbytes // block) * block
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -106,10 +128,17 @@ class LiveMemory(TorchDispatchMode):
     Thread-safe: on CUDA the autograd engine runs backward on a device thread, where both the
     mode and the free callbacks run. A ``LiveMemory`` may be entered again; storages it already
     tracks stay tracked.
+
+    Options: ``rng_states`` also counts the CPU generator states ``torch.get_rng_state()``
+    returns while the mode is active (``torch.utils.checkpoint`` keeps one per checkpointed call
+    until its backward, and its recompute one more while it runs: tensors no op makes, on the
+    CPU's memory); ``block`` counts each storage as an allocator rounding to that many bytes
+    would (:func:`block_bytes`; :data:`CUDA_BLOCK` for what ``max_memory_allocated`` says).
     """
 
-    def __init__(self, trace: bool = False) -> None:
+    def __init__(self, trace: bool = False, *, rng_states: bool = False, block: int = 1) -> None:
         super().__init__()
+        self.rng_states, self.block = rng_states, block
         self.current = 0
         self.peak = 0
         self.allocated = 0
@@ -119,6 +148,15 @@ class LiveMemory(TorchDispatchMode):
         # id(storage) -> [weakref to the storage, its nbytes, the op that made it]
         self._live: dict[int, list[Any]] = {}
         self._lock = threading.RLock()
+
+    @classmethod
+    def counting_as(cls, device: torch.device | str, trace: bool = False) -> LiveMemory:
+        """A tracker that counts a step as ``device`` holds it: on the CPU with checkpoint's
+        RNG states (CPU memory there), on CUDA in the caching allocator's blocks (the RNG
+        states are host memory there); on other devices the storages' bytes."""
+        kind = torch.device(device).type
+        block = CUDA_BLOCK if kind == "cuda" else 1
+        return cls(trace, rng_states=kind == "cpu", block=block)
 
     def snapshot(self, label: str | None = None) -> int:
         """Bytes alive now among the storages created inside; recorded in ``marks[label]``
@@ -133,6 +171,32 @@ class LiveMemory(TorchDispatchMode):
         """Start the peak again from the bytes alive now."""
         with self._lock:
             self.peak = self.current
+
+    def track(self, t: torch.Tensor, name: str) -> None:
+        """Count ``t``'s storage from now until it is freed, as if an op called ``name`` had
+        made it (for tensors made outside the dispatcher)."""
+        with self._lock:
+            for st in _storages(t):
+                self._add(st, set(), name)
+            self.peak = max(self.peak, self.current)
+
+    def __enter__(self) -> Self:
+        if self.rng_states:
+            self._get_rng_state = torch.get_rng_state
+            original = self._get_rng_state
+
+            def get_rng_state() -> torch.Tensor:
+                state = original()
+                self.track(state, "torch.get_rng_state")
+                return state
+
+            torch.get_rng_state = get_rng_state
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.rng_states:
+            torch.get_rng_state = self._get_rng_state
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -156,14 +220,14 @@ class LiveMemory(TorchDispatchMode):
         key = id(st)
         entry = self._live.get(key)
         if entry is not None:
-            size = st.nbytes()
+            size = block_bytes(st.nbytes(), self.block)
             if size != entry[1]:  # resized by the op (an out= argument)
                 self._change(entry[2], size - entry[1])
                 entry[1] = size
             return
         if key in inputs:
             return  # an input's storage that existed before the mode was entered
-        size = st.nbytes()
+        size = block_bytes(st.nbytes(), self.block)
         ref = weakref.ref(st, self._freed_callback(key))
         self._live[key] = [ref, size, name]
         self.allocated += size

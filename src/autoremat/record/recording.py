@@ -23,21 +23,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autoremat.core.entries import call_entry
-from autoremat.core.huggingface import cache_off_in_training, ordinary_positions_on_meta
+from autoremat.core.huggingface import (
+    cache_off_in_training,
+    mask_answers,
+    ordinary_positions_on_meta,
+)
 from autoremat.core.nested import iter_tensors, storage_key
 from autoremat.core.progress import Progress
 from autoremat.core.selective import WAYS, keeps, resolve
-from autoremat.record.forward_liveness import (
-    Death,
-    deaths_by_key,
-    forward_deaths,
-    new_storages,
-)
 from autoremat.record.kept_outputs import KeptOutputs
-from autoremat.record.memory import CpuAllocatorMemory, LiveMemory
-from autoremat.record.scratch import Highs, births_with_scratch, with_scratch
+from autoremat.record.memory import LiveMemory
 from autoremat.record.snapshot import preserved
-from autoremat.record.step import Autocast, LossFn, autocast_for, leaf_inputs, train_step
+from autoremat.record.step import Autocast, LossFn, leaf_inputs, train_step
 from autoremat.record.tree import Node, TensorInfo, tensor_infos
 
 __all__ = [
@@ -48,6 +45,7 @@ __all__ = [
     "Recording",
     "SelfCheckpointingError",
     "lineage",
+    "new_storages",
     "record_step",
 ]
 
@@ -129,46 +127,14 @@ class Recording:
     # region ends (a weight's copy in the lower precision: a float32 leaf that requires grad),
     # whoever saved them: a checkpointed module does not free them during the forward
     cached_casts: set[int] = field(default_factory=set)
-    # storage key -> for each storage with that key the forward made, in order: (the event
-    # count when it was made, its death in a forward that saved nothing, as a checkpointed
-    # forward: :data:`~autoremat.record.forward_liveness.Death`; None: it lived on)
-    # (:mod:`autoremat.record.forward_liveness`; :meth:`died`, :meth:`costs_from`)
-    dies_at: dict[int, list[tuple[int, Death | None]]] = field(default_factory=dict)
     # storage key -> the event count each time a storage with that key was made (a freed
     # storage's key can be reused)
     made_at: dict[int, list[int]] = field(default_factory=dict)
-    # finer than events, inside a stretch: kept output id -> (the ops the step had run before
-    # the op that made it, the stretch's peak then: the most live bytes from the event before
-    # up to that op); node -> the ops run at its forward's last save
-    born_after: dict[int, tuple[int, int]] = field(default_factory=dict)
-    saved_after: dict[Node, int] = field(default_factory=dict)
     # kept output id -> the event count when the step without recompute freed it
     kept_freed: dict[int, int] = field(default_factory=dict)
-    # kept output id -> its place among the storages made with its key (``made_at``)
-    born_nth: dict[int, int] = field(default_factory=dict)
-
-    def died(self, key: int, born: int | None = None, nth: int | None = None) -> int | None:
-        """The event after which the storage with ``key`` made at ``born`` (``None``: the last
-        with that key; two made in one stretch, the later: the earlier was freed for it; or
-        ``nth``, the storage's place among those made with that key) adds to no moment's peak
-        of a forward that saved nothing; ``None`` when it lived on, or nothing is known."""
-        death = self._death(key, born, nth)
-        return death[0] if death else None
-
-    def costs_from(self, key: int, born: int | None = None, nth: int | None = None) -> int | None:
-        """The event whose stretch is the first in which keeping that storage alive past its
-        death in a forward that saved nothing raises the most live bytes (:meth:`died`)."""
-        death = self._death(key, born, nth)
-        return death[1] if death else None
-
-    def _death(self, key: int, born: int | None, nth: int | None) -> Death | None:
-        lives = self.dies_at.get(key, [])
-        if nth is not None:
-            return lives[nth][1] if nth < len(lives) else None
-        if born is None:
-            return lives[-1][1] if lives else None
-        found = [death for made, death in lives if made == born]
-        return found[-1] if found else None
+    # what Hugging Face's mask code decided reading the step's values, in order
+    # (:func:`~autoremat.core.huggingface.mask_answers`), for a step without values to repeat
+    mask_answers: list[bool] = field(default_factory=list)
 
     @functools.cached_property
     def family(self) -> tuple[dict[Node, Node | None], dict[Node, int]]:
@@ -195,13 +161,11 @@ class OpCosts(TorchDispatchMode):
         clock: Callable[[], int],
         preexisting: frozenset[int] = frozenset(),
         cast_dtype: torch.dtype | None = None,
-        moment: Callable[[], tuple[int, int]] = lambda: (0, -1),
     ) -> None:
         super().__init__()
         self.stack = stack
         self.own = own
         self.clock = clock
-        self.moment = moment  # (the stretch's peak so far, the allocator's mark) now
         self.preexisting = preexisting  # storage keys of parameters, buffers and inputs
         self.cast_dtype = cast_dtype  # the autocast's lower precision (None: no autocast)
         self.cached: set[int] = set()  # storage keys of the casts autocast's cache keeps
@@ -213,7 +177,6 @@ class OpCosts(TorchDispatchMode):
         self.ops = 0  # ops run while counting
         self.counting = True
         self.keep = {way: resolve(ops) for way, ops in WAYS.items()}
-        self.order: list[tuple[int, int]] = []  # (key, bytes) of each new storage, in order
         # storage key -> the clock each time a storage with that key was made
         self.made_at: dict[int, list[int]] = defaultdict(list)
 
@@ -222,7 +185,6 @@ class OpCosts(TorchDispatchMode):
         if not self.counting:
             return func(*args, **kwargs)
         ways = [way for way, packets in self.keep.items() if keeps(func, args, kwargs, packets)]
-        before = (self.ops, *self.moment()) if ways else None
         out = func(*args, **kwargs)
         self.ops += 1
         own = self.own[self.stack[-1]]
@@ -231,8 +193,7 @@ class OpCosts(TorchDispatchMode):
         formula = flop_registry.get(func._overloadpacket)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         seen = {storage_key(t) for _, t in iter_tensors((args, kwargs))}
-        new = new_storages(seen, out)  # (as the forward that saves nothing sees them)
-        self.order.extend(new.items())
+        new = new_storages(seen, out)
         for key in new:
             self.kept.current.pop(key, None)
             self.casts.pop(key, None)
@@ -243,8 +204,8 @@ class OpCosts(TorchDispatchMode):
         own.flops += flops
         own.written += written
         own.ops += 1
-        if before is not None:
-            uids = self.kept.made(new, before, self.made_at)
+        if ways:
+            uids = self.kept.made(new)
             self._keep(ways, own, flops, written, new, uids)
             self.kept.watch(out, dict(uids))
         return out
@@ -290,6 +251,17 @@ class OpCosts(TorchDispatchMode):
             kept.storages.update((uids[key], (key, size)) for key, size in new.items())
 
 
+def new_storages(seen: set[int | None], out: Any) -> dict[int, int]:
+    """The storages an op's outputs hold that its inputs (``seen``: their storage keys) did
+    not: key -> bytes, in order."""
+    new: dict[int, int] = {}
+    for _, t in iter_tensors(out):
+        key = storage_key(t)
+        if key is not None and key not in seen and key not in new:
+            new[key] = t.untyped_storage().nbytes()
+    return new
+
+
 def lineage(tree: Node) -> tuple[dict[Node, Node | None], dict[Node, int]]:
     """Each node's parent (``None`` for the root) and depth."""
     parent: dict[Node, Node | None] = {tree: None}
@@ -314,15 +286,10 @@ class _Recorder:
         tree: Node,
         inputs: list[torch.Tensor],
         cast_dtype: torch.dtype | None = None,
-        allocator: bool = False,
     ) -> None:
         self.root = _call_of(tree, 0)
         self.stack: list[Node] = [self.root]
         self.memory = LiveMemory()
-        self.allocator = CpuAllocatorMemory() if allocator else None
-        self.event_marks: list[int] = []  # the allocator's mark at each event
-        self.save_marks: dict[Node, int] = {}  # and at each node's last save
-        self.made = 0  # marks made
         self.parent: dict[Node, Node | None] = {self.root: None}
         # grad_fns whose post-hook marks when they have run: id -> (the grad_fn, what to note)
         self.hooked: dict[int, tuple[Any, list[Callable[[int], None]]]] = {}
@@ -355,7 +322,6 @@ class _Recorder:
             lambda: len(self.rec.events),
             self.preexisting,
             cast_dtype,
-            lambda: (self.memory.peak, self.snap()),
         )
         self.rec.born = self.costs.kept.born
         self.rec.changed = self.costs.kept.changed
@@ -363,18 +329,8 @@ class _Recorder:
         self.rec.cached_casts = self.costs.cached
         self.rec.made_at = self.costs.made_at
         self.rec.kept_freed = self.costs.kept.freed
-        self.rec.born_nth = self.costs.kept.born_nth
-
-    def snap(self) -> int:
-        """A mark in the allocator's events (the number of marks before; -1 without)."""
-        if self.allocator is None:
-            return -1
-        self.made += 1
-        self.allocator.snapshot(str(self.made - 1))
-        return self.made - 1
 
     def mark(self, kind: str, node: Node) -> None:
-        self.event_marks.append(self.snap())
         self.rec.events.append((kind, node, self.memory.peak, self.memory.current))
         self.memory.reset_peak()
 
@@ -382,12 +338,8 @@ class _Recorder:
         rec, here = self.rec, self.stack[-1]
         if self.costs.counting:
             node: Node | None = here
-            made = self.snap()
             while node is not None:
                 rec.last_save[node] = (len(rec.events), self.memory.peak)
-                rec.saved_after[node] = self.costs.ops
-                if made >= 0:
-                    self.save_marks[node] = made
                 node = self.parent[node]
         key = storage_key(t)
         if key is None or key in self.preexisting:
@@ -549,44 +501,30 @@ def record_step(
     meta: bool,
     autocast: Autocast | None = None,
     hf_cache: bool = False,
-    allocator: bool = False,
 ) -> Recording:
     """Run one training step of ``model`` (see :func:`autoremat.record.step.train_step`) and record
     it (module docstring); ``tree`` is the module tree (:func:`autoremat.record.tree.build_tree`),
     the recording's tree the step's calls. Hugging Face caches are off in training, as once
     wrapped (on ``meta`` too: :func:`~autoremat.core.huggingface.ordinary_positions_on_meta`),
-    unless ``hf_cache``. With ``allocator`` (a step on the CPU), each event's peak is what the
-    CPU allocator saw, kernels' scratch included (:func:`with_scratch`). The model is left as
-    it was found."""
+    unless ``hf_cache``. The model is left as it was found."""
     inputs = [t for _, t in iter_tensors((args, kwargs))]
     dtype = autocast[1] if autocast is not None else None
-    rec = _Recorder(model, tree, inputs, dtype, allocator)
+    rec = _Recorder(model, tree, inputs, dtype)
     handles = []
     modules = list({id(n.module): n.module for n in tree.walk()}.values())
     positions = ordinary_positions_on_meta() if meta else contextlib.nullcontext()
     cache_off = contextlib.nullcontext() if hf_cache else cache_off_in_training(model)
     saved = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
-    watched = rec.allocator or contextlib.nullcontext()
     try:
         with preserved(model, leaf_inputs(args, kwargs)), cache_off, positions:
-            with preserved(model, leaf_inputs(args, kwargs)):
-                deaths = forward_deaths(model, args, kwargs, modules, autocast_for(model, autocast))
             for m in modules:
                 handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))
                 handles.append(m.register_forward_hook(rec.leave, with_kwargs=True))
-            with watched, rec.memory, rec.costs, saved:
+            with rec.memory, rec.costs, saved, mask_answers(rec.rec.mask_answers):
                 train_step(
                     model, args, kwargs, loss_fn, after_forward=rec.after_forward, autocast=autocast
                 )
             recording = rec.finish()
-            recording.dies_at = deaths_by_key(rec.costs.order, rec.costs.made_at, deaths)
-        highs = Highs(rec.allocator, rec.made) if rec.allocator is not None else None
-        if highs is not None:
-            with_scratch(recording.events, recording.last_save, highs, rec.event_marks,
-                         rec.save_marks)  # fmt: skip
-        recording.born_after = births_with_scratch(
-            recording.events, recording.born, rec.costs.kept.born_after, highs, rec.event_marks
-        )
     finally:
         rec.costs.kept.unwatch()  # (also when the step raised)
         for h in handles + rec.grad_hooks:

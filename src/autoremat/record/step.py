@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from autoremat.record.autocast_meta import MetaAutocast
 __all__ = [
     "Autocast",
     "LossFn",
+    "Step",
     "StepHow",
     "ambient_autocast",
     "autocast_for",
@@ -38,6 +40,22 @@ LossFn = Callable[[Any], torch.Tensor]
 Autocast = tuple[str, torch.dtype]
 # how a training step runs, as train_step takes it: the loss function and the autocast
 StepHow = tuple[LossFn | None, Autocast | None]
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One training step as :func:`train_step` runs it: ``model`` on ``args`` and ``kwargs``,
+    ``loss_fn`` and ``autocast`` as it takes them. A profile keeps the step it recorded, so
+    that a plan made from it can run the same step (:mod:`autoremat.planning.rehearsal`);
+    ``mask_answers``: what Hugging Face's mask code decided reading the step's values
+    (:func:`autoremat.core.huggingface.mask_answers`), for a step on fake tensors."""
+
+    model: nn.Module = field(repr=False)
+    args: Any = field(default=(), repr=False)
+    kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
+    loss_fn: LossFn | None = None
+    autocast: Autocast | None = None
+    mask_answers: tuple[bool, ...] = ()
 
 
 def default_loss(output: Any) -> torch.Tensor:

@@ -24,7 +24,14 @@ from autoremat.core.nested import iter_tensors, run_model
 from autoremat.record.side_effects import ReplayCheck
 from autoremat.record.snapshot import preserved
 
-__all__ = ["ExampleInputsError", "Node", "TensorInfo", "build_tree", "tensor_infos"]
+__all__ = [
+    "ExampleInputsError",
+    "Node",
+    "TensorInfo",
+    "build_tree",
+    "find_blocks",
+    "tensor_infos",
+]
 
 
 @dataclass(frozen=True)
@@ -292,3 +299,30 @@ class _Calls:
                 inplace_reason=self.check.inplace.get(key),
             )
         ]
+
+
+def find_blocks(tree: Node) -> list[str]:
+    """The paths of the model's "blocks": the largest group of sibling nodes of ``tree`` that
+    have the same class and are not leaves.
+
+    Siblings are the children of one node (containers such as ``nn.ModuleList`` that never
+    ran are dissolved by :func:`autoremat.build_tree`, so ``h.0 .. h.11`` are siblings). Ties
+    go to the shallower group, then to the group met first (depth first, registration order).
+    A group needs at least two members; returns ``[]`` when there is none (a plain chain of
+    leaves, a model without repeated structure). Pure: reads the tree only.
+    """
+    best: list[Node] = []
+    best_depth = 0
+    stack: list[tuple[Node, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        groups: dict[str, list[Node]] = {}
+        for child in node.children:
+            if not child.is_leaf:
+                groups.setdefault(child.type_name, []).append(child)
+        for group in groups.values():
+            size = len(group)
+            if size >= 2 and (size > len(best) or (size == len(best) and depth + 1 < best_depth)):
+                best, best_depth = group, depth + 1
+        stack.extend((child, depth + 1) for child in reversed(node.children))
+    return [n.path for n in best]

@@ -21,16 +21,12 @@ measured instead: :func:`autoremat.plan_for_device` and :func:`autoremat.fit` si
 steps profiled by the CPU allocator (``profile(memory="allocator")``).
 :func:`autoremat.fit` checks its answer once on the device.
 
-Two more the user's loop and the plan decide:
-
-* **reserve**: bytes the user keeps free for what the step's tensors are not (``fit(...,
-  reserve="1GiB")``): another process, a loop that keeps the previous step's output alive
-  through the next forward (``out = model(x)`` reassigned after it; :class:`autoremat.Fit`
-  says how much that is);
-* **RNG state per checkpointed call** (``rng_state``): ``torch.utils.checkpoint`` keeps the
-  CPU random generator's state (:data:`CPU_RNG_STATE` bytes) for each recomputed call until its
-  backward, a tensor no op makes (the tracker does not see it); on the CPU it is the device's
-  memory, on CUDA host memory (and the CUDA generator's state it keeps is a CPU tensor too).
+One more the user decides, the **reserve**: bytes kept free for what the step's tensors are
+not (``fit(..., reserve="1GiB")``): another process, a loop that keeps the previous step's
+output alive through the next forward (``out = model(x)`` reassigned after it;
+:class:`autoremat.Fit` says how much that is). (The RNG states ``torch.utils.checkpoint``
+keeps per recomputed call are in a plan's step peak, its step run: on the CPU they are the
+device's memory, on CUDA host memory.)
 """
 
 from __future__ import annotations
@@ -43,7 +39,6 @@ import torch
 from autoremat.core.sizes import Budget, format_size
 
 __all__ = [
-    "CPU_RNG_STATE",
     "CUDA_CONTEXT",
     "CUDA_FRAGMENTATION",
     "CUDA_WORKSPACE",
@@ -56,15 +51,13 @@ __all__ = [
 CUDA_CONTEXT = 512 * 2**20
 CUDA_WORKSPACE = 64 * 2**20
 CUDA_FRAGMENTATION = 0.10
-CPU_RNG_STATE = int(torch.get_rng_state().numel())  # 5,056 bytes on torch 2.13
 
 
 @dataclass(frozen=True)
 class DeviceModel:
     """The memory a step may use on ``device`` (``total`` bytes), and what the runtime
     (``runtime`` bytes), kernels' scratch (``workspace``), the allocator (``fragmentation``,
-    a fraction of the tensors) and the user's ``reserve`` take of it; ``rng_state``: the bytes
-    a checkpointed call keeps on the device until its backward (module docstring)."""
+    a fraction of the tensors) and the user's ``reserve`` take of it (module docstring)."""
 
     device: str
     total: int
@@ -72,7 +65,6 @@ class DeviceModel:
     workspace: int = 0
     fragmentation: float = 0.0
     reserve: int = 0
-    rng_state: int = 0
 
     @property
     def limit(self) -> int:
@@ -132,8 +124,7 @@ def device_model(
 ) -> DeviceModel:
     """The :class:`DeviceModel` for ``device_memory=spec`` on ``device``: bytes (int), a size
     (``"24GiB"``), or a fraction (``0.9``, ``"90%"``) of :func:`device_total`. On CUDA with the
-    estimates of the module docstring; on the CPU with its RNG state per checkpointed call;
-    ``reserve`` (bytes or a size) kept free.
+    estimates of the module docstring; ``reserve`` (bytes or a size) kept free.
 
     Raises:
         ValueError, TypeError: a malformed or non-positive ``spec`` (the message lists the
@@ -154,8 +145,6 @@ def device_model(
         )
     total = parsed.resolve(device_total(device) if parsed.bytes is None else 0)
     kept = _reserve(reserve)
-    if device.type == "cpu":
-        return DeviceModel(str(device), total, reserve=kept, rng_state=CPU_RNG_STATE)
     if device.type != "cuda":
         return DeviceModel(str(device), total, reserve=kept)
     return DeviceModel(

@@ -37,6 +37,7 @@ from autoremat.core.sizes import format_size
 from autoremat.planning.plan import plan_from_profile
 from autoremat.planning.plans import Plan
 from autoremat.record.memory import cpu_allocator_countable
+from autoremat.record.shadow import meta_shadow
 from autoremat.record.step import Autocast, LossFn, StepHow, step_autocast
 from autoremat.training.device_model import DeviceModel, available_memory, device_model
 from autoremat.training.measure_training import TrainingMeasurement, measure_training
@@ -44,11 +45,11 @@ from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
 from autoremat.training.prober import (
     Candidate,
     Inputs,
+    Probe,
     Prober,
     step_seconds,
 )
 from autoremat.training.rank_prober import RankProber
-from autoremat.training.shadow import meta_shadow
 from autoremat.training.sharding import Sharding, sharding_of
 from autoremat.wrap.wrapping import remove
 
@@ -190,7 +191,7 @@ def fit(
     candidates = [prober.candidate(b) for b in _ladder(without, top, objective)]
     fastest = max(candidates, key=lambda c: (c.samples_per_second, c.batch))
     chosen = fastest if objective == "throughput" else candidates[-1]
-    plan = chosen.plan or plan_from_profile(model, prober.probe(chosen.batch).profile, 1.0)
+    plan = chosen.plan or _no_recompute(model, prober.probe(chosen.batch))
     if "left_out" in plan.warnings:
         logger.warning("%s", plan.warnings["left_out"])
     measured, unsafe = _checked(model, make_inputs, chosen, plan, optimizer, (loss_fn, spec),
@@ -200,6 +201,12 @@ def fit(
     if found.fits is False:  # (a warning, and the Fit says so)
         logger.warning("batch %d was predicted to fit but measured %s", found.batch, measured)
     return found
+
+
+def _no_recompute(model: nn.Module, probe: Probe) -> Plan:
+    """The empty plan for ``probe``'s batch (no recompute needed)."""
+    rehearsal = probe.planner.planner.rehearsal
+    return plan_from_profile(model, probe.profile, 1.0, rehearsal=rehearsal)
 
 
 def _prober(model: nn.Module, make_inputs: Inputs, optimizer: OptimizerLike, dm: DeviceModel,
@@ -221,7 +228,7 @@ def _sized(prober: Prober, max_batch: int, verify: bool) -> tuple[Prober, int, i
         raise _none_fits(prober, max_batch)
     without = prober.largest(top, recompute=False)
     if _by_allocator(prober, top, verify):
-        prober = prober.on_the_device()
+        prober = prober.on_the_device(top)
         top = prober.settle(top)
         if top == 0:
             raise _none_fits(prober, max_batch)

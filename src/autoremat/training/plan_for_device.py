@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -11,18 +10,22 @@ from torch import nn
 from autoremat.core.devices import model_device
 from autoremat.core.sizes import format_size
 from autoremat.costs.profile import Profile, profile
-from autoremat.planning.plan import plan_from_profile, profile_lowest
+from autoremat.planning.plan import planned
 from autoremat.planning.plans import Plan
-from autoremat.planning.strategies.budget import BudgetTooLow
+from autoremat.planning.rehearsal import Rehearsal, rehearsal_for
+from autoremat.planning.search import Chosen
+from autoremat.planning.solver import walk_peak
+from autoremat.planning.strategies.budget import BudgetTooLow, Planner, fields_for
+from autoremat.planning.strategy import Request
 from autoremat.record.memory import cpu_allocator_countable
 from autoremat.record.step import Autocast, LossFn, step_autocast
-from autoremat.training.device_model import device_model
-from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
+from autoremat.training.device_model import DeviceModel, device_model
+from autoremat.training.optimizer_memory import OptimizerLike, OptimizerMemory, optimizer_memory
 from autoremat.training.per_rank import RankStep, ShardingLike, plan_for_rank
 from autoremat.training.sharding import sharding_of
-from autoremat.training.step_memory import checkpoint_state, step_memory
+from autoremat.training.step_memory import StepMemory, buffer_copies, step_memory
 
-__all__ = ["plan_fitting", "plan_for_device"]
+__all__ = ["DevicePlanner", "plan_for_device"]
 
 
 def plan_for_device(
@@ -43,14 +46,13 @@ def plan_for_device(
     reshard_after_forward: bool = True,
 ) -> Plan:
     """The cheapest plan whose whole training step (:mod:`autoremat.training.step_memory`) fits
-    ``device_memory`` at these inputs: a budget plan whose budget is what the device leaves for the
-    step once parameters, buffers, inputs and ``optimizer``'s state are in it (and, on CUDA, the
-    runtime and the allocator's share, :mod:`autoremat.training.device_model`; on the CPU the
-    RNG state each checkpoint keeps, and kernels' scratch: the step is profiled by the CPU
-    allocator, ``profile(memory="allocator")``; ``reserve``, bytes or a size, left free). An
-    empty plan when no recompute is needed. Profiles one step (on ``meta`` too, by tensors).
-    Per rank (``world_size``, ``sharding`` ... as :func:`autoremat.predict_training` takes
-    them): :func:`autoremat.training.per_rank.plan_for_rank`, by tensors.
+    ``device_memory`` at these inputs: parameters, buffers, inputs, ``optimizer``'s state and
+    the step's peak with the plan, its step run (on CUDA with what the runtime and the
+    allocator add, :mod:`autoremat.training.device_model`; on the CPU counted by its allocator,
+    kernels' scratch included; ``reserve``, bytes or a size, left free). An empty plan when no
+    recompute is needed. Profiles one step (on ``meta`` too, by tensors). Per rank
+    (``world_size``, ``sharding`` ... as :func:`autoremat.predict_training` takes them):
+    :func:`autoremat.training.per_rank.plan_for_rank`, by tensors.
 
     Raises:
         BudgetTooLow: (a ValueError) the step does not fit even with the most recompute; the
@@ -60,61 +62,88 @@ def plan_for_device(
     device = model_device(model)
     spec = step_autocast(autocast, model)
     ranks = sharding_of(model, world_size, sharding, fsdp_units, reshard_after_forward)
+    dm = device_model(device_memory, device, reserve)
+    prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec)
     if ranks is not None:
-        prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec)
         step = RankStep(model, (args, kwargs or {}), prof, ranks, optimizer, loss_fn, spec)
-        dm = device_model(device_memory, device, reserve)
         return plan_for_rank(step, dm, selective, objective)[0]
     memory = "allocator" if cpu_allocator_countable(device) else "tensors"
-    prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec, memory=memory)
-    dm = device_model(device_memory, device, reserve)
-    whole = step_memory(model, (args, kwargs), prof.peak, optimizer_memory(model, optimizer), dm)
-    room = dm.for_tensors() - whole.resident
-    lowest = profile_lowest(prof, selective=selective, objective=objective)
-    if room < max(lowest, whole.gradients + whole.optimizer_step):
-        need = dataclasses.replace(whole, step_peak=lowest)
-        raise BudgetTooLow(
-            f"{type(model).__name__}'s training step does not fit {dm}: with the most "
-            f"recompute it needs {format_size(need.device)}:\n{need}\nUse a smaller batch, "
-            f"{'' if spec else 'mixed precision, '}an optimizer with less state, or a device "
-            f"with more memory",
-            lowest,
-            prof.peak,
+    found = DevicePlanner(model, prof, dm, optimizer_memory(model, optimizer),
+                          rehearsal_for(prof, memory=memory), selective, objective)  # fmt: skip
+    return found.plan()
+
+
+class DevicePlanner:
+    """The cheapest plan for ``model`` whose whole step fits device ``dm``, from ``prof`` (a
+    profile of it, or of its shadow at another batch) and the optimizer's memory ``opt``,
+    each plan's step run by ``rehearsal``; ``inputs`` the step's (by default the profile's)."""
+
+    def __init__(self, model: nn.Module, prof: Profile, dm: DeviceModel, opt: OptimizerMemory,
+                 rehearsal: Rehearsal, selective: bool = True, objective: str = "time",
+                 inputs: Any = None) -> None:  # fmt: skip
+        self.model, self.prof, self.dm, self.opt = model, prof, dm, opt
+        self.inputs = inputs if inputs is not None else _inputs(prof)
+        request = Request(type(model).__name__, None, 1, None, selective, objective)
+        self.planner = Planner(prof, request, rehearsal)
+        self.scratch = rehearsal.way == "allocator"
+
+    def memory(self, chosen: Chosen) -> StepMemory:
+        """The whole step's memory with ``chosen`` recomputed, its step run."""
+        entries = fields_for(self.prof, list(chosen)).modules
+        copies = buffer_copies(entries, self.model, self.prof.module_tree)
+        peak = self.planner.peak(chosen)
+        return step_memory(self.model, self.inputs, peak, self.opt, self.dm, copies, self.scratch)
+
+    def plan(self) -> Plan:
+        """The cheapest plan that fits (none when none is needed).
+
+        Raises:
+            BudgetTooLow: even the lowest plan's step does not fit (the message gives it).
+        """
+        room = self.dm.for_tensors() - self.memory(()).resident
+        judge = lambda chosen: self.memory(chosen).device - self.dm.limit  # noqa: E731
+        return planned(self.model, self.planner, room, judge, self.too_low)
+
+    def planned(self) -> tuple[Plan, StepMemory]:
+        """:meth:`plan`, and its whole step's memory."""
+        made = self.plan()
+        copies = buffer_copies(made.modules, self.model, self.prof.module_tree)
+        peak = self.prof.peak if made.estimated_peak is None else made.estimated_peak
+        return made, step_memory(self.model, self.inputs, peak, self.opt, self.dm, copies,
+                                 self.scratch)  # fmt: skip
+
+    def lowest(self) -> StepMemory:
+        """The whole step's memory with the lowest plan the planner makes."""
+        return self.memory(self.planner.lowest()[0])
+
+    def bound(self) -> StepMemory | None:
+        """An upper bound of :meth:`lowest` without running anything: the walk's lowest plan
+        at the walk's own price (the walk prices a step at or above its run); ``None`` when
+        the plans' steps are counted by the allocator, which the walk does not see."""
+        if self.scratch:
+            return None
+        walk = self.planner.walk
+        floor = walk.plan(walk.lowest())
+        if floor is None:
+            return None
+        copies = buffer_copies(fields_for(self.prof, list(floor)).modules, self.model,
+                               self.prof.module_tree)  # fmt: skip
+        peak = walk_peak(floor, walk.after, walk.forward)
+        return step_memory(self.model, self.inputs, peak, self.opt, self.dm, copies)
+
+    def too_low(self) -> BudgetTooLow:
+        need = self.lowest()
+        return BudgetTooLow(
+            f"{type(self.model).__name__}'s training step does not fit {self.dm}: with the "
+            f"most recompute it needs {format_size(need.device)}:\n{need}\nUse a smaller "
+            f"batch, {'' if self.prof.step and self.prof.step.autocast else 'mixed precision, '}"
+            f"an optimizer with less state, or a device with more memory",
+            need.step_peak,
+            self.prof.peak,
         )
-    if room >= prof.peak:
-        return plan_from_profile(model, prof, 1.0, selective=selective, objective=objective)
-    return plan_fitting(model, prof, room, dm.rng_state, selective, objective)
 
 
-def plan_fitting(
-    model: nn.Module,
-    prof: Profile,
-    room: int,
-    rng_state: int,
-    selective: bool = True,
-    objective: str = "time",
-    fallback: Plan | None = None,
-) -> Plan:
-    """The cheapest plan from ``prof`` whose step peak, with what its checkpoints keep (the
-    ``rng_state`` bytes each, the buffer copies: :func:`checkpoint_state`), fits ``room``:
-    planned at ``room`` less what the plan before kept, up to three times; then ``fallback``
-    (a plan known to fit) or the last plan.
+def _inputs(prof: Profile) -> Any:
+    step = prof.step
+    return () if step is None else (step.args, step.kwargs)
 
-    Raises:
-        BudgetTooLow: ``room`` is below the lowest budget, and no ``fallback``.
-    """
-    kept, tried = 0, None
-    for _ in range(3):
-        try:
-            tried = plan_from_profile(
-                model, prof, room - kept, selective=selective, objective=objective
-            )
-        except BudgetTooLow:
-            break
-        kept = checkpoint_state(tried, prof, rng_state)
-        if (tried.estimated_peak or 0) + kept <= room:
-            return tried
-    chosen = fallback or tried
-    if chosen is None:  # (raises BudgetTooLow: the room is below the lowest budget)
-        return plan_from_profile(model, prof, room, selective=selective, objective=objective)
-    return chosen

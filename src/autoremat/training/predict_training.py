@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from autoremat.core.devices import model_device
-from autoremat.costs.profile import profile
 from autoremat.planning.plans import Plan
-from autoremat.record.step import Autocast, LossFn, step_autocast
+from autoremat.planning.rehearsal import PlanFields, Rehearsal
+from autoremat.record.step import Autocast, LossFn, Step, step_autocast
 from autoremat.training.device_model import device_model
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
 from autoremat.training.per_rank import RankStep, ShardingLike, rank_step_memory
 from autoremat.training.sharding import sharding_of
-from autoremat.training.step_memory import StepMemory, step_memory
+from autoremat.training.step_memory import StepMemory, buffer_copies, step_memory
 
 __all__ = ["predict_training"]
 
@@ -38,12 +38,13 @@ def predict_training(
 ) -> StepMemory:
     """The whole training step's memory of ``model`` on these inputs with ``optimizer`` (a
     name of :data:`autoremat.training.optimizer_memory.OPTIMIZERS`, an optimizer to copy, a function
-    from parameters to one, or ``None``): with ``plan``, its predicted step peak; without, one
-    step of the model as it is, profiled (a Hugging Face model fills its key/value cache, as
-    it does with no plan applied). On ``meta`` too: a model and inputs on ``meta`` give what
-    real ones would. With ``autocast``, a dtype or ``(device_type, dtype)``, forward and loss
-    run under autocast, emulated on ``meta`` (:mod:`autoremat.record.autocast_meta`); a plan's
-    estimate is used as it is, so make the plan with the same ``autocast``. With
+    from parameters to one, or ``None``): the step run with ``plan`` applied (once, on the
+    model's device, or on ``meta``: :mod:`autoremat.planning.rehearsal`; a model wrapped with
+    the plan already runs as it is), its checkpoints' RNG states counted; without a plan,
+    as the model trains (a Hugging Face model fills its key/value cache, a model that
+    checkpoints itself does). On ``meta`` too: a model and inputs on ``meta`` give what real
+    ones would. With ``autocast``, a dtype or ``(device_type, dtype)``, forward and loss run
+    under autocast, emulated on ``meta`` (:mod:`autoremat.record.autocast_meta`). With
     ``device_memory`` (as :func:`autoremat.fit` takes it), ``device`` counts what the
     device's runtime and allocator add. Nothing is changed.
 
@@ -54,16 +55,15 @@ def predict_training(
     process group, outside any initialised one).
     """
     spec = sharding_of(model, world_size, sharding, fsdp_units, reshard_after_forward)
-    if spec is not None:
-        cast = step_autocast(autocast, model)
-        prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=cast)
-        rank = RankStep(model, (args, kwargs or {}), prof, spec, optimizer, loss_fn, cast)
-        dm = None if device_memory is None else device_model(device_memory, model_device(model))
-        return rank_step_memory(rank, plan, dm)
-    if plan is not None and plan.estimated_peak is not None:
-        peak = plan.estimated_peak
-    else:  # the model's own step: a Hugging Face model fills its cache
-        peak = profile(model, args, kwargs, loss_fn=loss_fn, autocast=autocast, hf_cache=True).peak
+    cast = step_autocast(autocast, model)
     device = model_device(model)
     dm = None if device_memory is None else device_model(device_memory, device)
-    return step_memory(model, (args, kwargs), peak, optimizer_memory(model, optimizer), dm)
+    fields = None if plan is None else PlanFields(plan.modules, plan.selective, plan.calls)
+    step = Step(model, args, kwargs or {}, loss_fn, cast)
+    run = Rehearsal(step, "meta" if device.type == "meta" else "real")
+    if spec is not None:
+        rank = RankStep(model, (args, kwargs or {}), None, spec, optimizer, loss_fn, cast)
+        return rank_step_memory(rank, fields, dm, run)
+    copies = buffer_copies(fields.modules if fields else (), model, plan.tree if plan else None)
+    opt = optimizer_memory(model, optimizer)
+    return step_memory(model, (args, kwargs), run.peak(fields), opt, dm, copies)

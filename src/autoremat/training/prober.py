@@ -4,6 +4,7 @@ and the :class:`Candidate` each gives (:class:`Prober`; per rank, its subclass
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -18,21 +19,16 @@ from autoremat.core.devices import model_device
 from autoremat.core.huggingface import cache_modules
 from autoremat.core.progress import Progress
 from autoremat.costs.profile import Profile, profile
-from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.planning.plans import Plan
+from autoremat.planning.rehearsal import rehearsal_for
+from autoremat.record.shadow import meta_shadow
 from autoremat.record.step import Autocast, LossFn
 from autoremat.record.tree import ExampleInputsError
 from autoremat.training.device_model import DeviceModel
 from autoremat.training.optimizer_memory import OptimizerMemory
-from autoremat.training.plan_for_device import plan_fitting
+from autoremat.training.plan_for_device import DevicePlanner
 from autoremat.training.scaled_profile import WINDOWS, NotScalable, ScaledProfiles
-from autoremat.training.shadow import meta_shadow
-from autoremat.training.step_memory import (
-    StepMemory,
-    buffer_copies,
-    checkpointed_calls,
-    step_memory,
-)
+from autoremat.training.step_memory import StepMemory, step_memory
 
 __all__ = ["Candidate", "Inputs", "Probe", "Prober", "on_meta", "step_seconds"]
 
@@ -66,16 +62,20 @@ def step_seconds(prof: Profile, plan: Plan | None) -> float:
     return 3 * forward + (0.0 if plan is None else plan.recompute_seconds or 0.0)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Probe:
-    """One batch size profiled on ``meta``: its inputs, profile, and the whole step's memory
-    at the lowest budget."""
+    """One batch size profiled on ``meta``: its inputs, profile, and the planner of its plans
+    (a :class:`DevicePlanner`, or a rank's); :attr:`lowest`, the whole step's memory with the
+    lowest plan, its plans run when first asked."""
 
     batch: int
     inputs: tuple[Any, dict[str, Any]]
     profile: Profile
-    lowest: StepMemory
-    lowest_plan: Plan | None = None  # the plan at the lowest budget, when its calls count
+    planner: Any
+
+    @functools.cached_property
+    def lowest(self) -> StepMemory:
+        return self.planner.lowest()
 
 
 class Prober:
@@ -92,11 +92,11 @@ class Prober:
         self.seen: dict[int, Probe] = {}
         self.plain: dict[int, StepMemory] = {}
         self.caches = bool(cache_modules(self.shadow))  # a Hugging Face model's
-        self.buffers = any(True for _ in model.buffers())
         self.progress = Progress("fitting", 40, "batch sizes profiled on meta")
         self.scaled: ScaledProfiles | None = None
         self.not_on_meta = ""  # why the step cannot run on meta, once it could not
         self.by_allocator = False  # real steps on the CPU, by its allocator (on_the_device)
+        self.hands: set[int] | None = None  # the hand plans each lowest runs (None: all)
 
     def meta_inputs(self, batch: int) -> tuple[Any, Any]:
         """``make_inputs(batch)`` made under ``torch.device("meta")``, every tensor on it."""
@@ -108,22 +108,26 @@ class Prober:
         if batch not in self.seen:
             args, kwargs = self.meta_inputs(batch)
             prof = self.profile(batch, args, kwargs)
-            low = profile_lowest(prof, selective=self.selective)
-            plan = None  # (the RNG states and buffer copies its checkpoints keep count)
-            if (self.dm.rng_state or self.buffers) and low < prof.peak:
-                plan = plan_from_profile(self.model, prof, low, selective=self.selective)
-            calls, copies = checkpointed_calls(plan, prof), buffer_copies(plan, prof)
-            memory = step_memory(self.shadow, (args, kwargs), low, self.opt, self.dm, calls,
-                                 copies, self.by_allocator)  # fmt: skip
-            self.seen[batch] = Probe(batch, (args, kwargs), prof, memory, plan)
+            found = DevicePlanner(self.model, prof, self.dm, self.opt, self.rehearsal(batch, prof),
+                                  self.selective, inputs=(args, kwargs))  # fmt: skip
+            found.planner.hands = self.hands
+            self.seen[batch] = Probe(batch, (args, kwargs), prof, found)
             self.progress.step(f"batch {batch}")
         return self.seen[batch]
+
+    def rehearsal(self, batch: int, prof: Profile) -> Any:
+        """What runs the plans' steps at ``batch``: the profile's own step (counted as the
+        model's device holds it; by its allocator on the device), or real steps scaled."""
+        if self.scaled is not None and prof.step is None:
+            return self.scaled.rehearsal_at(batch, self.dm.device)
+        memory = "allocator" if self.by_allocator else "tensors"
+        return rehearsal_for(prof, self.dm.device, memory)
 
     def profile(self, batch: int, args: Any, kwargs: Any) -> Profile:
         """The step's profile at ``batch`` (``args``, ``kwargs`` on ``meta``): the shadow's,
         or, once the shadow cannot run and the real model can, scaled from real steps."""
         if self.by_allocator:
-            return self.real(batch, memory="allocator")
+            return self.real(batch, timed=False)
         if self.scaled is None:
             try:
                 return profile(self.shadow, args, kwargs, loss_fn=self.loss_fn,
@@ -150,24 +154,27 @@ class Prober:
                 f"device_memory=...))"
             ) from None
 
-    def real(self, batch: int, memory: str = "tensors", hf_cache: bool = False) -> Profile:
-        """A real step of the model on its device at ``batch``, profiled (``memory`` and
-        ``hf_cache`` as :func:`~autoremat.costs.profile.profile` has them; by the allocator
-        untimed, as on ``meta``)."""
+    def real(self, batch: int, timed: bool = True) -> Profile:
+        """A real step of the model on its device at ``batch``, profiled (``timed`` as
+        :func:`~autoremat.costs.profile.profile` has it)."""
         device = model_device(self.model)
         args, kwargs = tree_map(
             lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, self.make_inputs(batch)
         )
-        how = {"loss_fn": self.loss_fn, "autocast": self.autocast, "hf_cache": hf_cache}
-        timed = memory == "tensors"
-        return profile(self.model, args, kwargs, memory=memory, timed=timed, **how)  # type: ignore[arg-type]
+        return profile(self.model, args, kwargs, loss_fn=self.loss_fn, autocast=self.autocast,
+                       timed=timed)  # fmt: skip
 
-    def on_the_device(self) -> Prober:
-        """A prober like this one that profiles real steps on the model's device, by the CPU
-        allocator (kernels' scratch counted: ``profile(memory="allocator")``)."""
+    def on_the_device(self, top: int) -> Prober:
+        """A prober like this one that profiles real steps on the model's device and runs
+        their plans counted by the CPU allocator (kernels' scratch included); its lowest
+        plans run, beside the walk's own, only the hand plan that was the lowest at ``top``
+        on ``meta`` (each a real step: the same plan is the lowest at nearby batches)."""
         found = Prober(self.model, self.make_inputs, self.opt, self.dm, self.loss_fn,
                         self.selective, self.autocast)  # fmt: skip
         found.by_allocator = True
+        planner = self.probe(top).planner.planner
+        planner.lowest()
+        found.hands = set() if planner.won is None else {planner.won}
         found.progress = Progress("checking", 12, "batch sizes profiled on the device")
         return found
 
@@ -194,24 +201,28 @@ class Prober:
 
     def without(self, batch: int) -> StepMemory:
         """The whole step's memory of the model's own step at ``batch``, no recompute: a
-        Hugging Face model fills its key/value cache then (no applied plan lets it), so it is
-        profiled once more with it, only for the batches asked."""
+        Hugging Face model fills its key/value cache then (no applied plan lets it), so that
+        step is run once more, only for the batches asked."""
         if batch not in self.plain:
             probe = self.probe(batch)
+            planner = probe.planner
             peak = probe.profile.peak
-            if self.caches and self.by_allocator:
-                peak = self.real(batch, memory="allocator", hf_cache=True).peak
-            elif self.caches and self.scaled is None:  # (scaled: priced without the cache)
-                args, kwargs = probe.inputs
-                how = {"loss_fn": self.loss_fn, "autocast": self.autocast, "hf_cache": True}
-                peak = profile(self.shadow, args, kwargs, **how).peak  # type: ignore[arg-type]
+            if (self.caches or self.by_allocator) and probe.profile.step is not None:
+                peak = planner.planner.rehearsal.peak(None)
             self.plain[batch] = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm,
                                             scratch=self.by_allocator)  # fmt: skip
         return self.plain[batch]
 
     def fits(self, batch: int, recompute: bool = True) -> bool:
-        memory = self.probe(batch).lowest if recompute else self.without(batch)
-        return memory.device <= self.dm.limit
+        """Whether ``batch``'s step fits with the lowest plan (or none): at once when the
+        walk's own lowest price fits (an upper bound of the runs), else by running them."""
+        if not recompute:
+            return self.without(batch).device <= self.dm.limit
+        probe = self.probe(batch)
+        bound = probe.planner.bound()
+        if bound is not None and bound.device <= self.dm.limit:
+            return True
+        return probe.lowest.device <= self.dm.limit
 
     def smallest_running(self, top: int) -> int:
         """The smallest of 1, 2, 4, ... (up to ``top``) whose step runs: a model normalising
@@ -249,18 +260,11 @@ class Prober:
         """``batch`` planned at what the device leaves for the step."""
         probe = self.probe(batch)
         prof = probe.profile
-        room = self.dm.for_tensors() - probe.lowest.resident
-        chosen = None
-        if room < prof.peak:  # (the largest batch is near its lowest budget by design)
-            chosen = plan_fitting(self.model, prof, room, self.dm.rng_state, self.selective,
-                                  fallback=probe.lowest_plan)  # fmt: skip
-        peak = prof.peak if chosen is None else chosen.estimated_peak or 0
-        calls, copies = checkpointed_calls(chosen, prof), buffer_copies(chosen, prof)
-        memory = step_memory(self.shadow, probe.inputs, peak, self.opt, self.dm, calls, copies,
-                             self.by_allocator)  # fmt: skip
-        seconds = step_seconds(prof, chosen)
+        plan, memory = probe.planner.planned()
+        chosen = plan if plan.modules else None
         out = prof[prof.tree.path].output_bytes
-        return Candidate(batch, memory, self.without(batch), chosen, seconds, out)
+        return Candidate(batch, memory, self.without(batch), chosen, step_seconds(prof, chosen),
+                         out)  # fmt: skip
 
 
 def on_meta(value: Any) -> Any:

@@ -39,13 +39,15 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autoremat.core import huggingface
+from autoremat.core.devices import model_device
 from autoremat.core.huggingface import ordinary_positions_on_meta
 from autoremat.core.nested import tensor_bytes
-from autoremat.planning.plans import Plan
+from autoremat.planning.rehearsal import PlanFields
 from autoremat.record.memory import LiveMemory
+from autoremat.record.shadow import meta_shadow
 from autoremat.record.step import Autocast, LossFn, train_step
-from autoremat.training.shadow import meta_shadow
 from autoremat.training.sharding import Sharding
+from autoremat.wrap.wrapping import apply
 
 __all__ = ["EmulatedRank", "ResizeCountingMemory", "emulate_fsdp2", "fake_shadow", "fake_world"]
 
@@ -127,13 +129,15 @@ def emulate_fsdp2(
     model: nn.Module,
     inputs: tuple[Any, dict[str, Any]],
     sharding: Sharding,
-    plan: Plan | None = None,
+    plan: PlanFields | None = None,
     loss_fn: LossFn | None = None,
     autocast: Autocast | None = None,
+    device: str | None = None,
 ) -> EmulatedRank:
     """Rank 0's memory in a training step of ``model`` under ``sharding`` (FSDP2) with
-    ``plan`` applied, on ``inputs`` (one rank's ``(args, kwargs)``; real or on ``meta``):
-    see the module docstring. ``model`` is not touched.
+    ``plan``'s entries applied, on ``inputs`` (one rank's ``(args, kwargs)``; real or on
+    ``meta``): see the module docstring. Counted as ``device`` holds it (by default the
+    model's; on the CPU with checkpoint's RNG states). ``model`` is not touched.
 
     Raises:
         RuntimeError: a process group is initialised (:func:`fake_world`).
@@ -151,7 +155,7 @@ def emulate_fsdp2(
         shadow = fake_shadow(model)
         args, kwargs = tree_map(_fake, inputs)
         if plan is not None:
-            plan.apply(shadow)
+            apply(shadow, plan.modules, selective=plan.selective or {}, calls=plan.calls)
         keep = sharding.reshard_after_forward
         how: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": keep}
         if sharding.mp_policy is not None:
@@ -159,7 +163,8 @@ def emulate_fsdp2(
         for path in sharding.units or ():
             fully_shard(shadow.get_submodule(path), **how)
         fully_shard(shadow, **how)
-        step = _stepped(model, shadow, args, kwargs, loss_fn, cast)
+        counted = device or str(model_device(model))
+        step = _stepped(model, shadow, args, kwargs, loss_fn, cast, counted == "cpu")
         shards = tuple(_local(p) for p in shadow.parameters() if p.requires_grad)
         grads = [_local(p.grad) for p in shadow.parameters() if p.grad is not None]
         return EmulatedRank(
@@ -171,7 +176,8 @@ def emulate_fsdp2(
 
 
 def _stepped(model: nn.Module, shadow: nn.Module, args: Any, kwargs: Any,
-             loss_fn: LossFn | None, cast: Autocast | None) -> ResizeCountingMemory:  # fmt: skip
+             loss_fn: LossFn | None, cast: Autocast | None,
+             rng_states: bool) -> ResizeCountingMemory:  # fmt: skip
     """Two steps of the sharded fake ``shadow`` (the first: FSDP2's lazy init), the second
     counted; FSDP2's and the model's warnings about the emulation's classes kept quiet.
 
@@ -186,7 +192,7 @@ def _stepped(model: nn.Module, shadow: nn.Module, args: Any, kwargs: Any,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             train_step(shadow, args, kwargs, loss_fn, autocast=cast)
-            with ResizeCountingMemory() as step:
+            with ResizeCountingMemory(rng_states=rng_states) as step:
                 train_step(shadow, args, kwargs, loss_fn, autocast=cast)
         return step
     except Exception as exc:

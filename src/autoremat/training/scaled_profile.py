@@ -23,8 +23,17 @@ from collections.abc import Callable
 from typing import Any
 
 from autoremat.costs.profile import Profile
+from autoremat.planning.rehearsal import CannotRun, PlanFields, Rehearsal, rehearsal_for
 
-__all__ = ["WINDOWS", "NotScalable", "ScaledProfiles", "between", "off_by", "scaled"]
+__all__ = [
+    "WINDOWS",
+    "NotScalable",
+    "ScaledProfiles",
+    "ScaledRehearsal",
+    "between",
+    "off_by",
+    "scaled",
+]
 
 
 class NotScalable(ValueError):
@@ -64,7 +73,7 @@ def between(first: Any, second: Any, t: float, where: str = "profile") -> Any:
         return {k: between(first[k], second[k], t, f"{where}[{k!r}]") for k in first}
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         # (a profile's trees of calls and modules: the second's, whose nodes name the model's)
-        kept = ("tree", "module_tree") if isinstance(first, Profile) else ()
+        kept = ("tree", "module_tree", "step") if isinstance(first, Profile) else ()
         changes = {
             f.name: between(
                 getattr(first, f.name), getattr(second, f.name), t, f"{where}.{f.name}"
@@ -81,10 +90,45 @@ def scaled(first: Profile, second: Profile, t: float) -> Profile:
     moments is not affine in the batch: which moment is highest changes with it)."""
     found = between(first, second, t)
     peak = max(b for phase in (found.forward_points, found.backward_points) for _, b in phase)
-    return dataclasses.replace(found, peak=peak)
+    return dataclasses.replace(found, peak=peak, step=None)  # (no step ran at that batch)
 
 
 WINDOWS = 3  # batches tried: (2b, 4b, 6b), then (4b, 6b, 8b), then (6b, 8b, 10b)
+
+
+class ScaledRehearsal:
+    """Plans' steps at a batch no step ran at (``batch``, beyond those of ``profiles``, a
+    :class:`ScaledProfiles`): each plan's step run for real at small batches and its peak
+    extrapolated affinely, from the first window of three batches whose first two give the
+    third to the byte (a peak is the most of several moments, and which is highest changes
+    with the batch: from a window where one stays highest, the line holds). ``device``: as
+    :func:`~autoremat.planning.rehearsal.rehearsal_for` takes it."""
+
+    way, eager = "real", True
+
+    def __init__(self, profiles: ScaledProfiles, batch: int, device: str | None = None):
+        self.profiles, self.batch, self.device = profiles, batch, device
+        self.rng_state = self.run(profiles.b1).rng_state
+        self.how = f"real steps at smaller batches, scaled to batch {batch}"
+
+    def run(self, batch: int) -> Rehearsal:
+        return rehearsal_for(self.profiles.profiled(batch), self.device)
+
+    def peak(self, plan: PlanFields | None) -> int:
+        """The step's peak at the batch with ``plan`` (as :meth:`Rehearsal.peak`).
+
+        Raises:
+            CannotRun: no window of :data:`WINDOWS` extrapolates its third batch."""
+        b1, misses = self.profiles.b1, []
+        for k in range(1, WINDOWS + 1):
+            low, high, third = k * b1, (k + 1) * b1, (k + 2) * b1
+            first, second, last = (self.run(b).peak(plan) for b in (low, high, third))
+            slope = (second - first) / (high - low)
+            if round(first + slope * (third - low)) == last:
+                return round(first + slope * (self.batch - low))
+            off = first + slope * (third - low) - last
+            misses.append(f"from {low} and {high} to {third}: {off:+.0f} B")
+        raise CannotRun(f"its step is not linear in the batch ({'; '.join(misses)})")
 
 
 class ScaledProfiles:
@@ -120,6 +164,18 @@ class ScaledProfiles:
         if batch < high:
             return self.profiled(batch)
         return scaled(self.profiled(low), self.profiled(high), (batch - low) / (high - low))
+
+    def rehearsal_at(self, batch: int, device: str | None = None) -> Any:
+        """What runs plans' steps at ``batch``: real steps there (below the window checked,
+        or profiled already), else real steps at smaller batches, scaled
+        (:class:`ScaledRehearsal`)."""
+        if batch in self.seen or batch < self.b1:
+            return rehearsal_for(self.profiled(batch), device)
+        if self.base is None:
+            self.base = self.check()
+        if batch < self.base[1]:
+            return rehearsal_for(self.profiled(batch), device)
+        return ScaledRehearsal(self, batch, device)
 
     def check(self) -> tuple[int, int]:
         """The first window ``(k b1, (k + 1) b1)`` whose extrapolation to ``(k + 2) b1`` is

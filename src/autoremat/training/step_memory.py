@@ -7,17 +7,17 @@ freed before each forward (``zero_grad(set_to_none=True)``, the default), the mo
 in a steady training step is::
 
     parameters + buffers + optimizer state + inputs
-        + max(step peak (activations, gradients included) + checkpoints' RNG states,
+        + max(step peak (activations, gradients, checkpoints' RNG states) + buffer copies,
               gradients + optimizer step)
 
-(the RNG states: what ``torch.utils.checkpoint`` keeps on the device per recomputed call,
-:attr:`~autoremat.training.device_model.DeviceModel.rng_state`, all live when backward begins;
-and with them the copies of buffers each checkpointed call keeps for its recompute,
-:func:`buffer_copies`: neither is a tensor an op makes, so the tracker sees neither).
+(the step peak is a plan's, its step run: :mod:`autoremat.planning.rehearsal`, which counts
+the RNG states ``torch.utils.checkpoint`` keeps on the CPU; the buffer copies each
+checkpointed call keeps for its recompute, :func:`buffer_copies`, are made outside the
+dispatcher, so no tracker sees them).
 
 :class:`StepMemory` holds these parts and, for a device, what its runtime and allocator add
 (:mod:`autoremat.training.device_model`); :func:`step_memory` adds them up from a model, its inputs,
-the step peak (a plan's prediction or a profile's) and the optimizer's memory
+the step peak (a plan's step run, or a profile's) and the optimizer's memory
 (:mod:`autoremat.training.optimizer_memory`). :func:`autoremat.measure_training` measures the same
 around real optimizer steps.
 """
@@ -32,12 +32,11 @@ from torch import nn
 from autoremat.core.entries import module_of, parse_run
 from autoremat.core.nested import tensor_bytes
 from autoremat.core.sizes import format_size
-from autoremat.costs.profile import Profile
-from autoremat.planning.plans import Plan
+from autoremat.record.tree import Node
 from autoremat.training.device_model import DeviceModel
 from autoremat.training.optimizer_memory import OptimizerMemory
 
-__all__ = ["StepMemory", "buffer_copies", "checkpoint_state", "checkpointed_calls", "step_memory"]
+__all__ = ["StepMemory", "buffer_copies", "step_memory"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,6 @@ class StepMemory:
     inputs: int
     step_peak: int
     device_model: DeviceModel | None = None
-    rng_states: int = 0
     buffer_copies: int = 0
     scratch: bool = False  # the step peak counts kernels' scratch (a profile by the allocator)
     buckets: int = 0  # DDP's gradient buckets (resident from its construction on)
@@ -67,7 +65,7 @@ class StepMemory:
 
     @property
     def tensors(self) -> int:
-        step = self.step_peak + self.rng_states + self.buffer_copies
+        step = self.step_peak + self.buffer_copies
         return self.resident + max(step, self.gradients + self.optimizer_step)
 
     @property
@@ -83,7 +81,6 @@ class StepMemory:
             ("inputs", self.inputs),
             *([("DDP's gradient buckets", self.buckets)] if self.buckets else []),
             (f"step peak (activations, gradients{', scratch' * self.scratch})", self.step_peak),
-            *([("checkpoints' RNG states", self.rng_states)] if self.rng_states else []),
             *([("checkpoints' buffer copies", self.buffer_copies)] if self.buffer_copies else []),
             ("gradients + optimizer step", self.gradients + self.optimizer_step),
             ("at most (tensors and scratch)" if self.scratch else "tensors at most", self.tensors),
@@ -95,43 +92,28 @@ class StepMemory:
         return "\n".join([f"  per rank: {self.sharding}"] * bool(self.sharding) + lines)
 
 
-def checkpointed_calls(plan: Plan | None, prof: Profile) -> int:
-    """How many checkpoints ``plan`` runs per step: one per call of each module it names
-    (``path@k`` one call, a run ``path[i:j]`` one)."""
-    if plan is None:
+def buffer_copies(entries: tuple[str, ...], model: nn.Module, tree: Node | None = None) -> int:
+    """The most bytes of buffer copies the checkpoints of plan ``entries`` of ``model`` hold
+    at once, an upper bound (:mod:`autoremat.wrap.replay`): each checkpointed call keeps the
+    pre-forward value of the buffers its forward changes (BatchNorm's statistics) until its
+    last recompute, and its forward and each recompute copy all its modules' buffers while
+    they run; so every call's buffers, and the largest call's twice more. A module's entry
+    counts one per call (``tree``: the module tree, which says how many; one without it)."""
+    if not entries:
         return 0
-    return sum(_calls(entry, prof) for entry in plan.modules)
-
-
-def _calls(entry: str, prof: Profile) -> int:
-    return 1 if "@" in entry or entry.endswith("]") else max(1, len(prof.calls_of(entry)))
-
-
-def buffer_copies(plan: Plan | None, prof: Profile) -> int:
-    """The most bytes of buffer copies ``plan``'s checkpoints hold at once, an upper bound
-    (:mod:`autoremat.wrap.replay`): each checkpointed call keeps the pre-forward value of the
-    buffers its forward changes (BatchNorm's statistics) until its last recompute, and its
-    forward and each recompute copy all its modules' buffers while they run; so every call's
-    buffers, and the largest call's twice more."""
-    if plan is None or prof.module_tree is None:
-        return 0
-    modules = {n.path: n.module for n in prof.module_tree.walk()}
+    modules = dict(model.named_modules())
+    calls = {n.path: n.calls for n in tree.walk()} if tree is not None else {}
     sizes = []
-    for entry in plan.modules:
+    for entry in entries:
         run = parse_run(entry)
         if run is not None:
             owners = list(modules[run[0]].children())[run[1] : run[2]]
         else:
             owners = [modules[module_of(entry)]]
         held = {id(b): b for m in owners for b in m.buffers()}.values()
-        sizes += [sum(b.numel() * b.element_size() for b in held)] * _calls(entry, prof)
+        count = 1 if "@" in entry or run else max(1, calls.get(entry, 1))
+        sizes += [sum(b.numel() * b.element_size() for b in held)] * count
     return sum(sizes) + 2 * max(sizes, default=0)
-
-
-def checkpoint_state(plan: Plan | None, prof: Profile, rng_state: int) -> int:
-    """What ``plan``'s checkpoints keep on the device beyond the step's tensors: each call's
-    RNG state (``rng_state`` bytes) and the buffer copies (:func:`buffer_copies`)."""
-    return checkpointed_calls(plan, prof) * rng_state + buffer_copies(plan, prof)
 
 
 def step_memory(
@@ -140,15 +122,14 @@ def step_memory(
     step_peak: int,
     optimizer: OptimizerMemory,
     device_model: DeviceModel | None = None,
-    checkpoints: int = 0,
     copies: int = 0,
     scratch: bool = False,
 ) -> StepMemory:
     """The :class:`StepMemory` of training ``model`` on ``inputs`` (its args and kwargs) with
     an optimizer of that memory, when the step (forward, loss, backward) peaks at
-    ``step_peak`` bytes above what was live before it, with ``checkpoints`` recomputed calls
-    (:func:`checkpointed_calls`) holding ``copies`` bytes of buffer copies
-    (:func:`buffer_copies`); ``scratch``: ``step_peak`` counts kernels' scratch."""
+    ``step_peak`` bytes above what was live before it, its checkpoints holding ``copies``
+    bytes of buffer copies (:func:`buffer_copies`); ``scratch``: ``step_peak`` counts kernels'
+    scratch."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     return StepMemory(
@@ -160,7 +141,6 @@ def step_memory(
         inputs=tensor_bytes(inputs),
         step_peak=step_peak,
         device_model=device_model,
-        rng_states=checkpoints * (device_model.rng_state if device_model else 0),
         buffer_copies=copies,
         scratch=scratch,
     )

@@ -16,6 +16,9 @@ back:
   ends with the post-forward buffers back in place (the objects, so views and optimizer
   references stay valid), and any buffer the recompute changed in place is reset by value:
   statistics move once per step, as without recompute.
+* **Autocast on** ``meta`` (:class:`~autoremat.record.autocast_meta.MetaAutocast`, a function
+  mode checkpoint does not know): a recompute runs in a region of its own with the same
+  casts, as checkpoint gives a real autocast's recompute.
 * **Python's** ``random`` **and NumPy's global generator** (when NumPy is imported): set to
   their state at the forward's start for the recompute, then to their present state again, so
   a random-depth knob draws the same and the training loop's own draws are untouched.
@@ -37,6 +40,7 @@ runs inside one, :func:`recomputing` which entry.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
@@ -44,11 +48,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 from torch.utils.checkpoint import CheckpointError
 
 from autoremat.core.host_rng import HostRng, get_host_rng, set_host_rng
 from autoremat.core.nested import iter_tensors, version_of
+from autoremat.record.autocast_meta import MetaAutocast, meta_autocast_now
 
 __all__ = ["CheckpointedCall", "containers_copied", "decided", "is_recomputing", "recomputing"]
 
@@ -101,6 +107,7 @@ class CheckpointedCall:
 
     __slots__ = (
         "__weakref__",
+        "autocast",
         "before",
         "cursor",
         "decisions",
@@ -125,6 +132,7 @@ class CheckpointedCall:
         self.decisions: list[Any] = []  # what decided() gave inside the forward, in order
         self.cursor = 0
         self.replaying = False
+        self.autocast: MetaAutocast | None = None  # autocast's casts on meta, as forwarded
 
     def run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)``: the forward on the first call, a guarded recompute after."""
@@ -144,6 +152,7 @@ class CheckpointedCall:
         self.signature = _state_signature(args, kwargs)
         versions = _positional_versions(args)
         self.host_rng = get_host_rng()
+        self.autocast = meta_autocast_now()
         objects = _buffers(self.owners)
         values = _values(objects)
         out = fn(*args, **kwargs)
@@ -184,8 +193,10 @@ class CheckpointedCall:
         set_host_rng(self.host_rng)
         entries = _state.__dict__.setdefault("recomputing", [])
         entries.append(self.label)
+        region = self.autocast.again() if self.autocast else contextlib.nullcontext()
         try:
-            return fn(*args, **kwargs)
+            with region:
+                return fn(*args, **kwargs)
         finally:
             entries.pop()
             set_host_rng(present_rng)
@@ -251,8 +262,10 @@ def _buffers(owners: list[nn.Module]) -> Buffers:
 
 
 def _iter_real(buffers: Buffers) -> Iterator[tuple[tuple[nn.Module, str], torch.Tensor]]:
+    """The buffers that hold values (not on ``meta``, not fake tensors: a rehearsed step's
+    shadow, whose values nothing can compare)."""
     for key, b in buffers.items():
-        if isinstance(b, torch.Tensor) and b.device.type != "meta":
+        if isinstance(b, torch.Tensor) and b.device.type != "meta" and not is_fake(b):
             yield key, b
 
 

@@ -1,10 +1,12 @@
-"""The budget strategy: the cheapest recompute whose predicted step peak fits a budget.
+"""The budget strategy: the cheapest recompute whose step peak, run, fits a budget.
 
 From a profile of one training step (:mod:`autoremat.costs`), the planning tree
-(:mod:`autoremat.planning.planning_tree`) and the solver (:mod:`autoremat.planning.solver`):
-``budget=`` bytes, a fraction of the no-recompute peak, a percentage or a size string
-(:func:`autoremat.core.sizes.parse_budget`); cost is the recompute's profiled time
-(``objective="time"``) or its FLOPs (``"flops"``).
+(:mod:`autoremat.planning.planning_tree`), the solver's walk (:mod:`autoremat.planning.solver`)
+and the search that runs the walk's plans (:mod:`autoremat.planning.search`,
+:mod:`autoremat.planning.rehearsal`): ``budget=`` bytes, a fraction of the no-recompute peak, a
+percentage or a size string (:func:`autoremat.core.sizes.parse_budget`); cost is the
+recompute's profiled time (``objective="time"``) or its FLOPs (``"flops"``). A plan's
+``estimated_peak`` is its step's peak, run.
 """
 
 from __future__ import annotations
@@ -18,22 +20,21 @@ from autoremat.core.sizes import Budget, format_size, percent_hint
 from autoremat.costs.profile import Profile
 from autoremat.planning.choice import OBJECTIVES, Choice
 from autoremat.planning.planning_tree import planning_tree, recompute_seconds
-from autoremat.planning.prediction import predict_peak
-from autoremat.planning.solver import Infeasible, Item, min_peak, solve
+from autoremat.planning.rehearsal import CannotRun, PlanFields, Rehearsal, rehearsal_for
+from autoremat.planning.search import Chosen, Judge, Walk, cheapest, hand_plans, lowest
+from autoremat.planning.solver import Item, walk_peak
 from autoremat.planning.strategy import Request, Strategy, left_out_warning
+from autoremat.record.tree import find_blocks
 
 __all__ = [
-    "HEADROOM",
     "NEAR_LOWEST",
     "STRATEGY",
     "BudgetTooLow",
+    "Planner",
     "choices_for",
-    "lowest",
+    "fields_for",
 ]
 
-# Bytes a budget plan keeps free below the budget for what the cost model does not see: the
-# recompute's copies of small buffers and statistics, measured at up to a few hundred bytes.
-HEADROOM = 1024
 # A budget this close (a fraction of it) above the lowest reachable peak gets a warning.
 NEAR_LOWEST = 0.02
 
@@ -59,44 +60,149 @@ def _check(request: Request) -> Request:
     return dataclasses.replace(request, budget=parsed)
 
 
-def lowest(prof: Profile, request: Request, root: Item | None = None) -> int:
-    """The lowest budget, in bytes, that a plan for ``prof`` meets (headroom included; never
-    above the peak without recompute, which the empty plan meets)."""
-    if root is None:
-        root = planning_tree(prof, request.selective, None, request.objective)
-    return min(min_peak(root, prof.backward_points, prof.forward_points) + HEADROOM, prof.peak)
+class Planner:
+    """The budget strategy's search over one profile: the walk over its planning tree, and
+    the plans it proposes run by ``rehearsal`` (by default the profile's own step,
+    :func:`~autoremat.planning.rehearsal.rehearsal_for`)."""
+
+    def __init__(self, prof: Profile, request: Request, rehearsal: Rehearsal | None = None):
+        self.prof, self.request = prof, request
+        self.skipped: dict[str, str] = {}
+        self.rehearsal = rehearsal or rehearsal_for(prof)
+        self.priced = ""  # why a plan was priced by the walk, once one was
+        # which hand plans (:func:`hand_plans`, by index) the lowest runs (None: all), and
+        # which was the lowest plan (None: the walk's own, or none)
+        self.hands: set[int] | None = None
+        self.won: int | None = None
+        self.root = self.tree(request.objective, self.skipped)
+        self.walk = Walk(self.root, prof.backward_points, prof.forward_points)
+        self._lowest: tuple[Chosen, int] | None = None
+
+    def tree(self, objective: str, skipped: dict[str, str] | None = None) -> Item:
+        """The planning tree priced by ``objective``, RNG states counted as the step is."""
+        rng = self.rehearsal.rng_state
+        return planning_tree(self.prof, self.request.selective, skipped, objective, rng)
+
+    def peak(self, chosen: Chosen) -> int:
+        """The step's peak with ``chosen`` recomputed, run (the profile's own without, when
+        the rehearsal runs the step the profile ran: eagerly)."""
+        if not chosen and self.rehearsal.eager:
+            return self.prof.peak
+        try:
+            return self.rehearsal.peak(fields_for(self.prof, list(chosen)))
+        except CannotRun as exc:  # (priced by the walk, an upper bound, and said so)
+            self.priced = f"the walk's price ({self.rehearsal.how}: {exc})"
+            return walk_peak(chosen, self.prof.backward_points, self.prof.forward_points)
+
+    def cheapest(self, limit: int, judge: Judge | None = None) -> tuple[Chosen, int] | None:
+        """The cheapest plan found whose step peaks at most ``limit`` (or, with ``judge``, that
+        it says fits: a whole step's memory on a device, a rank's), the walk searched from
+        ``limit``; else the lowest plan if it fits; and its peak. ``None``: none fits."""
+        judge = judge or (lambda c: self.peak(c) - limit)
+        if limit >= self.prof.peak and judge(()) <= 0:
+            return (), self.peak(())
+        found = cheapest(self.walk, limit, judge)
+        if found is None:
+            found = self.lowest()[0]
+            if judge(found) > 0:
+                return None
+        return found, self.peak(found)
+
+    def lowest(self) -> tuple[Chosen, int]:
+        """The plan with the lowest run peak the planner can make, and that peak
+        (:func:`autoremat.planning.search.lowest`: the walk's lowest plan and hand plans).
+        Priced by FLOPs whatever the objective: the lowest plan does not depend on timing."""
+        if self._lowest is None:
+            prof = self.prof
+            root = self.tree("flops")
+            walk = Walk(root, prof.backward_points, prof.forward_points)
+            blocks = find_blocks(prof.module_tree) if prof.module_tree else []
+            hand = hand_plans(root, blocks)
+            tried = [h for k, h in enumerate(hand) if self.hands is None or k in self.hands]
+            self._lowest = lowest(walk, self.peak, tried)
+            self.won = next((k for k, h in enumerate(hand) if h == self._lowest[0]), None)
+        return self._lowest
+
+    def too_low(self, limit: int) -> BudgetTooLow:
+        """The error for a ``limit`` below :meth:`lowest`."""
+        least, prof, request = self.lowest()[1], self.prof, self.request
+        given = request.budget.given if isinstance(request.budget, Budget) else request.budget
+        hint = percent_hint(given)
+        return BudgetTooLow(
+            f"budget {format_size(limit)} ({given!r}) is below the lowest peak that "
+            f"recomputing modules of {request.model_name} reaches, {format_size(least)} "
+            f"({least / prof.peak:.0%} of the {format_size(prof.peak)} peak without "
+            f"recompute; about {least} bytes). Try budget={least}, a smaller batch"
+            f"{'' if request.autocast else ', or mixed precision'}."
+            f"{_left_out_hint(self.skipped)}{f' ({hint}.)' if hint else ''}",
+            least,
+            prof.peak,
+        )
+
+    def fields(self, chosen: Chosen, limit: int, peak: int) -> dict[str, Any]:
+        """The plan's fields for ``chosen``, run at ``peak``, for a ``limit``."""
+        prof, request = self.prof, self.request
+        choices = choices_for(prof, list(chosen))
+        warnings = {
+            "left_out": left_out_warning(self.skipped, request.model_name),
+            "near_lowest": self._near_lowest(chosen, limit),
+        }
+        entries = fields_for(prof, list(chosen))
+        return {
+            "modules": entries.modules,
+            "selective": dict(entries.selective or {}),
+            "calls": dict(entries.calls or {}),
+            "budget": limit,
+            "estimated_peak": peak,
+            "estimated_by": self.priced or self.rehearsal.how,
+            "baseline_peak": prof.peak,
+            "recompute_flops": sum(i.flops for i in chosen),
+            "objective": request.objective,
+            "recompute_seconds": sum(c.seconds or 0.0 for c in choices),
+            "choices": choices,
+            "left_out": self.skipped,
+            "warnings": {kind: text for kind, text in warnings.items() if text},
+            "device": prof.device,
+        }
+
+    def _near_lowest(self, chosen: Chosen, limit: int) -> str | None:
+        """The warning for a budget within :data:`NEAR_LOWEST` of the lowest peak the walk
+        reaches (``None`` otherwise)."""
+        if not chosen or self.walk.plan(int(limit * (1 - NEAR_LOWEST))) is not None:
+            return None
+        return (
+            f"budget {format_size(limit)} is within {NEAR_LOWEST:.0%} of the lowest peak "
+            f"recomputing modules of {self.request.model_name} reaches: the plan recomputes "
+            f"about all it can ({len(chosen)} entries, "
+            f"{sum(i.flops for i in chosen) / 1e9:.3f} GFLOP more); a slightly larger budget "
+            f"may cost much less"
+        )
 
 
 def _choose(prof: Profile, request: Request) -> dict[str, Any]:
     assert isinstance(request.budget, Budget), "checked first (Strategy.check)"
+    planner = Planner(prof, request, request.rehearsal)
     limit = request.budget.resolve(prof.peak)
-    skipped: dict[str, str] = {}
-    root = planning_tree(prof, request.selective, skipped, request.objective)
-    warnings = {"left_out": left_out_warning(skipped, request.model_name)}
-    chosen: list[Item] = []
-    if limit < prof.peak:
-        chosen, warnings["near_lowest"] = _solve(prof, root, limit, request, skipped)
+    found = planner.cheapest(limit)
+    if found is None:
+        raise planner.too_low(limit)
+    chosen, peak = found
+    return planner.fields(chosen, limit, peak)
+
+
+def fields_for(prof: Profile, chosen: list[Item]) -> PlanFields:
+    """What a rehearsal applies for the items ``chosen`` (:func:`choices_for`'s entries)."""
     choices = choices_for(prof, chosen)
-    return {
-        "modules": tuple(c.path for c in choices),
-        "budget": limit,
-        "estimated_peak": predict_peak(prof.backward_points, chosen, prof.forward_points),
-        "baseline_peak": prof.peak,
-        "recompute_flops": sum(i.flops for i in chosen),
-        "objective": request.objective,
-        "recompute_seconds": sum(c.seconds or 0.0 for c in choices),
-        "choices": choices,
-        "selective": {c.path: WAYS[c.way] for c in choices if c.way in WAYS},
-        "left_out": skipped,
-        "warnings": {kind: text for kind, text in warnings.items() if text},
-        "device": prof.device,
-        "calls": {
+    return PlanFields(
+        modules=tuple(c.path for c in choices),
+        selective={c.path: WAYS[c.way] for c in choices if c.way in WAYS},
+        calls={
             path: len(prof.calls_of(path))
             for c in choices
             if (call := parse_call(c.path)) is not None
             for path in [call[0]]
         },
-    }
+    )
 
 
 def choices_for(prof: Profile, chosen: list[Item]) -> tuple[Choice, ...]:
@@ -126,42 +232,6 @@ def choices_for(prof: Profile, chosen: list[Item]) -> tuple[Choice, ...]:
             seconds = sum(x.seconds or 0.0 for x in calls)
             merged.append(Choice(call[0], freed, flops, c.way, seconds))
     return tuple(merged)
-
-
-def _solve(
-    prof: Profile, root: Item, limit: int, request: Request, skipped: dict[str, str]
-) -> tuple[list[Item], str | None]:
-    """The items chosen for ``limit`` bytes, and the warning when the budget is near the
-    lowest peak any plan reaches (``None`` otherwise)."""
-    forward, after = prof.forward_points, prof.backward_points
-    try:
-        chosen = solve(root, after, limit - HEADROOM, forward)
-    except Infeasible:
-        least = lowest(prof, request, root)
-        given = request.budget.given if isinstance(request.budget, Budget) else request.budget
-        hint = percent_hint(given)
-        raise BudgetTooLow(
-            f"budget {format_size(limit)} ({given!r}) is below the lowest peak that "
-            f"recomputing modules of {request.model_name} reaches, {format_size(least)} "
-            f"({least / prof.peak:.0%} of the {format_size(prof.peak)} peak without "
-            f"recompute; about {least} bytes). Try budget={least}, a smaller batch"
-            f"{'' if request.autocast else ', or mixed precision'}.{_left_out_hint(skipped)}"
-            f"{f' ({hint}.)' if hint else ''}",
-            least,
-            prof.peak,
-        ) from None
-    if chosen:
-        try:
-            solve(root, after, int(limit * (1 - NEAR_LOWEST)) - HEADROOM, forward)
-        except Infeasible:
-            return chosen, (
-                f"budget {format_size(limit)} is within {NEAR_LOWEST:.0%} of the lowest peak "
-                f"recomputing modules of {request.model_name} reaches: the plan recomputes "
-                f"about all it can ({len(chosen)} entries, "
-                f"{sum(i.flops for i in chosen) / 1e9:.3f} GFLOP more); a slightly larger "
-                f"budget may cost much less"
-            )
-    return chosen, None
 
 
 def _left_out_hint(skipped: dict[str, str]) -> str:

@@ -1,0 +1,342 @@
+"""A plan's step, run before it is taken: its peak is measured, not derived.
+
+:class:`Rehearsal` applies a plan and runs one training step under the live-storage tracker
+(:class:`~autoremat.record.memory.LiveMemory`): PyTorch's own checkpoint, the selective
+policy's cache, autocast's cast cache, the RNG states checkpoint keeps (on the CPU) and every
+tensor the step makes count as they will on the device, because they run.
+:attr:`autoremat.Plan.estimated_peak` is this figure. How the step runs (:data:`WAYS`,
+:func:`way_for`):
+
+* ``"meta"``: a model on ``meta``: a copy of it (``meta`` parameters, no memory) on the
+  ``meta`` inputs;
+* ``"fake"``: a shadow whose parameters and buffers are fake tensors of the same shapes
+  (``FakeTensorMode``: no memory, no values), on fake copies of the inputs; PyTorch's fake
+  kernels for the CPU's layer and batch norms under mixed precision give their statistics
+  in the input's dtype where the real kernels give float32: corrected
+  (:class:`CpuStatistics`); and Hugging Face's mask code, which reads the padding mask's
+  values to decide whether to make an attention mask, is given the answers it reached on the
+  profiled step (:func:`~autoremat.core.huggingface.mask_answers`);
+* ``"real"``: the model itself on its device, the plan applied and removed, the model left as
+  found: where the real kernels cost less than fake tensors' bookkeeping (small CPU ops, any
+  CUDA step, which the profile ran at this size already), and for a step fake tensors cannot
+  run (it reads values: ``.item()``, ``nonzero`` routing; :attr:`Rehearsal.how` says so);
+* ``"allocator"``: the real step counted by the CPU allocator (kernels' scratch included).
+
+The model's own step (``peak(None)``: no plan applied) runs as the model would train: a
+Hugging Face model fills its key/value cache, a model that checkpoints itself does so. A plan,
+even an empty one, turns both off, as :meth:`autoremat.Plan.apply` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from autoremat.core import huggingface
+from autoremat.core.host_rng import get_host_rng, set_host_rng
+from autoremat.core.huggingface import mask_answers, ordinary_positions_on_meta
+from autoremat.core.nested import iter_tensors
+from autoremat.costs.profile import Profile
+from autoremat.record.compiled import running_eagerly
+from autoremat.record.memory import CpuAllocatorMemory, LiveMemory
+from autoremat.record.shadow import meta_shadow
+from autoremat.record.snapshot import preserved
+from autoremat.record.step import Step, leaf_inputs, no_ambient_autocast, train_step
+from autoremat.wrap.checkpointed import wrapped_paths
+from autoremat.wrap.wrapping import apply, remove
+
+__all__ = [
+    "REAL_SECONDS_PER_OP",
+    "WAYS",
+    "CannotRun",
+    "CpuStatistics",
+    "PlanFields",
+    "Rehearsal",
+    "rehearsal_for",
+    "way_for",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanFields:
+    """What a rehearsal applies: a plan's ``modules`` (entries), its ``selective`` entries and
+    their ops, and the ``calls`` each call entry's module was planned for (as
+    :class:`autoremat.Plan` has them)."""
+
+    modules: tuple[str, ...] = ()
+    selective: Mapping[str, tuple[str, ...]] | None = None
+    calls: Mapping[str, int] | None = None
+
+    def key(self) -> tuple[Any, ...]:
+        return (
+            tuple(sorted(self.modules)),
+            tuple(sorted((self.selective or {}).items())),
+            tuple(sorted((self.calls or {}).items())),
+        )
+
+
+# How a rehearsal runs the step: on the meta shadow, on a fake shadow, the real model counted
+# by the tracker, or the real model counted by the CPU allocator.
+WAYS = ("meta", "fake", "real", "allocator")
+# A step on the CPU is run for real when its forward's ops took less than this each, as the
+# profile timed them: a step on fake tensors costs about 1.8 ms per forward op (forward,
+# backward, bookkeeping: measured on the examples, 2 cores), a real one about three times the
+# op's time and 0.4 ms of the tracker's.
+REAL_SECONDS_PER_OP = 4.5e-4
+
+
+class CannotRun(ValueError):
+    """A plan's step cannot be run where it is asked (a batch no step ran at, whose plans
+    do not scale): the planner prices that plan by its walk instead, an upper bound, and
+    says so (:attr:`autoremat.Plan.estimated_by`)."""
+
+
+class Rehearsal:
+    """Runs planned steps of ``step`` (module docstring) the ``way`` given (one of
+    :data:`WAYS`), each plan once (remembered). ``device``: where the step will train, for how
+    it is counted (:meth:`LiveMemory.counting_as`; by default the step's own device; give the
+    target's for a model on ``meta``)."""
+
+    def __init__(self, step: Step, way: str, device: torch.device | str | None = None) -> None:
+        if way not in WAYS:
+            raise ValueError(f"way must be one of {WAYS}, got {way!r}")
+        self.step, self.way = step, way
+        self.where = _device_of(step)
+        self.counted_as = self.where if device is None else torch.device(device)
+        self.seen: dict[tuple[Any, ...], int] = {}
+        self.eager = True  # (the step the profile ran: an empty plan's peak is the profile's)
+        self.why_real = ""  # why a fake step could not run, once it could not
+        self._shadow: tuple[nn.Module, Any, Any, Any] | None = None
+
+    @property
+    def rng_state(self) -> int:
+        """The bytes of an RNG state a checkpoint keeps, as the step is counted (on the CPU:
+        its generator's state; elsewhere 0: host memory)."""
+        return int(torch.get_rng_state().numel()) if self.counted_as.type == "cpu" else 0
+
+    @property
+    def how(self) -> str:
+        """How the plans' steps ran, in words (:attr:`autoremat.Plan.estimated_by`)."""
+        return {
+            "meta": "on meta",
+            "fake": "on fake tensors",
+            "real": f"on {self.where.type}" + (f" ({self.why_real})" if self.why_real else ""),
+            "allocator": f"on {self.where.type}, by its allocator",
+        }[self.way]
+
+    def peak(self, plan: PlanFields | None) -> int:
+        """The step's peak (bytes above what was live before it) with ``plan`` applied;
+        ``None``: the model's own step, as it trains without a plan."""
+        key = ("own",) if plan is None else plan.key()
+        if key not in self.seen:
+            self.seen[key] = self._run(plan)
+        return self.seen[key]
+
+    def _run(self, plan: PlanFields | None) -> int:
+        if self.way in ("real", "allocator"):
+            return self._real(plan)
+        try:
+            return self._on_shadow(plan)
+        except Exception as exc:
+            if self.way == "meta":
+                raise
+            why = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+            self.way, self.why_real = "real", f"fake tensors cannot run it: {why}"
+            logger.info("rehearsing plans of %s %s", type(self.step.model).__name__, self.how)
+            return self._real(plan)
+
+    def _on_shadow(self, plan: PlanFields | None) -> int:
+        shadow, args, kwargs, mode = self._shadow or self._made()
+        fixes = CpuStatistics() if self.way == "fake" else contextlib.nullcontext()
+        answers = list(self.step.mask_answers)
+        with (
+            mask_answers(answers, replay=True),
+            _quiet(),
+            mode or contextlib.nullcontext(),
+            ordinary_positions_on_meta(),
+            fixes,
+            _applied(shadow, plan),
+            LiveMemory.counting_as(self.counted_as) as tracked,
+        ):
+            train_step(shadow, args, kwargs, self.step.loss_fn, autocast=self._autocast())
+        return tracked.peak
+
+    def _made(self) -> tuple[nn.Module, Any, Any, Any]:
+        """The shadow, its inputs and the fake mode they live in (``None`` on ``meta``)."""
+        model = self.step.model
+        found: tuple[nn.Module, Any, Any, Any]
+        if self.way == "meta":
+            found = (meta_shadow(model), self.step.args, self.step.kwargs, None)
+        else:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            with mode:
+                shadow = meta_shadow(model, device=self.where.type)
+                args, kwargs = tree_map(_fake, (self.step.args, self.step.kwargs))
+            found = (shadow, args, kwargs, mode)
+        self._shadow = found
+        return found
+
+    def _autocast(self) -> Any:
+        cast = self.step.autocast
+        if cast is None or self.where.type == "meta":
+            return cast
+        return (self.where.type, cast[1])
+
+    def _real(self, plan: PlanFields | None) -> int:
+        """The step of the model itself, ``plan`` applied and removed, left as found."""
+        model, args, kwargs = self.step.model, self.step.args, self.step.kwargs
+        by_allocator = self.way == "allocator"
+        tracker = CpuAllocatorMemory() if by_allocator else LiveMemory.counting_as(self.counted_as)
+        with (
+            preserved(model, leaf_inputs(args, kwargs)),
+            running_eagerly(model),
+            _quiet(),
+            no_ambient_autocast(),
+            _applied(model, plan),
+            tracker as tracked,
+        ):
+            train_step(model, args, kwargs, self.step.loss_fn, autocast=self.step.autocast)
+        return tracked.peak
+
+
+class CpuStatistics(TorchDispatchMode):
+    """Fake CPU kernels made to return what the real ones do: a layer or batch norm of a
+    bfloat16 or float16 input with float32 weights (autocast's mixed precision) keeps its
+    mean and inverse deviation in float32 on the CPU, where PyTorch's fake kernels give them
+    in the input's dtype (bytes under the real step's, measured on the examples)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        found = _STATISTICS.get(func)
+        if found is None or not _mixed(args[0], args[found[1]]):
+            return out
+        return tuple(o.float() if k in found[0] else o for k, o in enumerate(out))
+
+
+# op -> the indexes of its outputs that are statistics, and of its weight among its arguments
+_STATISTICS = {
+    torch.ops.aten.native_layer_norm.default: ((1, 2), 2),
+    torch.ops.aten.native_batch_norm.default: ((1, 2), 1),
+}
+
+
+def _mixed(x: Any, weight: Any) -> bool:
+    low = (torch.bfloat16, torch.float16)
+    return (
+        isinstance(x, torch.Tensor)
+        and x.device.type == "cpu"
+        and x.dtype in low
+        and isinstance(weight, torch.Tensor)
+        and weight.dtype == torch.float32
+    )
+
+
+def _device_of(step: Step) -> torch.device:
+    for t in [*step.model.parameters(), *(t for _, t in iter_tensors((step.args, step.kwargs)))]:
+        return t.device
+    return torch.device("cpu")
+
+
+def _fake(value: Any) -> Any:
+    """A fake copy of an input tensor (inside the fake mode), leaves requiring grad kept so."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    fake = torch.empty_like(value)
+    return fake.requires_grad_() if value.requires_grad and value.is_leaf else fake
+
+
+@contextlib.contextmanager
+def _applied(model: nn.Module, plan: PlanFields | None) -> Iterator[None]:
+    """``plan`` applied to ``model`` for the block (nothing for ``None``, or when ``model``
+    has the plan's entries wrapped already); the global and host random generators put back
+    after it.
+
+    Raises:
+        ValueError: ``model`` has other entries wrapped (the message names them).
+    """
+    host, already = get_host_rng(), wrapped_paths(model)
+    if plan is not None and already and set(already) != set(plan.modules):
+        raise ValueError(
+            f"{type(model).__name__} has other entries wrapped ({', '.join(already[:3])}) "
+            f"than the plan's: remove them (autoremat.remove) or pass the plan they are"
+        )
+    ours = plan is not None and not already
+    with torch.random.fork_rng(devices=[]), no_ambient_autocast():
+        if ours:
+            apply(model, plan.modules, selective=plan.selective or {}, calls=plan.calls)  # type: ignore[union-attr]
+        try:
+            yield
+        finally:
+            if ours:
+                remove(model)
+            set_host_rng(host)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The notes a step of a shadow gives (Hugging Face's ``use_cache`` note, warnings about
+    fake tensors) kept off the user's screen: :func:`autoremat.plan` says what matters."""
+    level = huggingface.logger.level
+    huggingface.logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        huggingface.logger.setLevel(level)
+
+
+# a profile's step -> its rehearsals, by (device counted as, memory): plans made from one
+# profile (a budget and its lowest, fit's candidates) share the runs already made
+_rehearsals: weakref.WeakKeyDictionary[Step, dict[tuple[str, str], Rehearsal]]
+_rehearsals = weakref.WeakKeyDictionary()
+
+
+def rehearsal_for(
+    prof: Profile, device: torch.device | str | None = None, memory: str = "tensors"
+) -> Rehearsal:
+    """The :class:`Rehearsal` of ``prof``'s step (one per profile, device and memory), run
+    the way :func:`way_for` chooses (``memory="allocator"``: by the CPU allocator).
+
+    Raises:
+        ValueError: ``prof`` has no step (a profile scaled from others): give the plan a
+            rehearsal of its own.
+    """
+    if prof.step is None:
+        raise ValueError(
+            "this profile was not made by a step (it was scaled from others), so no plan's "
+            "step can be run from it: pass a rehearsal of the real steps"
+        )
+    known = _rehearsals.setdefault(prof.step, {})
+    key = (str(device), memory)
+    if key not in known:
+        way = "allocator" if memory == "allocator" else way_for(prof)
+        known[key] = Rehearsal(prof.step, way, device)
+    return known[key]
+
+
+def way_for(prof: Profile) -> str:
+    """How to rehearse plans of ``prof``'s step: on ``meta`` for a model there; for real on
+    CUDA (its kernels cost less than fake tensors' bookkeeping, and the profile ran it at this
+    size already) and on a CPU when its forward's ops are quick
+    (:data:`REAL_SECONDS_PER_OP`); on fake tensors otherwise. Both give the same bytes but
+    where fake tensors cannot know a value (module docstring)."""
+    if prof.device == "meta":
+        return "meta"
+    root = prof[prof.tree.path]
+    cheap = root.op_seconds <= REAL_SECONDS_PER_OP * root.ops
+    return "real" if prof.device == "cuda" or cheap else "fake"

@@ -1,0 +1,150 @@
+"""The search: the solver's walk proposes plans, running them decides.
+
+The walk (:func:`~autoremat.planning.solver.solve`) is a fast model of the step, close but not
+exact: it knows what each node frees and holds, not everything the step does. So no figure of
+it reaches the user. Each plan it proposes is judged by a *judge*, a function that runs the
+plan's step (:mod:`autoremat.planning.rehearsal`, or a whole rank's step) and says how many
+bytes it is over what must fit (0 or less: it fits). The walk's own limit is then moved by what
+the run said, and the walk asked again:
+
+* :func:`cheapest`: from the limit asked, the limit rises by a plan's slack (the walk priced it
+  above its run: a cheaper plan may fit) and falls by a plan's excess, bisecting once a limit
+  that fits and one that does not are known, for at most :data:`TRIES` runs; the cheapest plan
+  that fitted wins.
+* :func:`lowest`: the lowest peak among the plans the planner can make: the walk's own lowest
+  plan and the plans people write by hand (every block; every block's children), each run.
+
+Pure but for the judge: items in, items out (what a judge runs is the caller's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from autoremat.planning.solver import Infeasible, Item, min_peak, solve
+
+__all__ = [
+    "SLACK",
+    "TRIES",
+    "Chosen",
+    "Judge",
+    "Walk",
+    "cheapest",
+    "cost",
+    "hand_plans",
+    "lowest",
+]
+
+# A plan, as the solver's items it recomputes (never one inside another), in the step's order.
+Chosen = tuple[Item, ...]
+# The bytes a plan's step is over what must fit (0 or less: it fits), found by running it.
+Judge = Callable[[Chosen], int]
+
+TRIES = 4  # plans run at most by one cheapest() search
+SLACK = 0.005  # a plan this close below its limit (a fraction of it) is not raised further
+
+
+@dataclass
+class Walk:
+    """The solver over one planning tree: its ``root`` and the step's points after the
+    forward (``after``) and in it (``forward``), as :func:`solve` takes them."""
+
+    root: Item
+    after: Sequence[tuple[int, int]]
+    forward: Sequence[tuple[int, int]] = ()
+    _lowest: int | None = field(default=None, init=False, repr=False)
+
+    def plan(self, limit: int) -> Chosen | None:
+        """The walk's cheapest plan whose peak it prices at most ``limit``; ``None``: none."""
+        try:
+            return tuple(solve(self.root, self.after, limit, self.forward))
+        except Infeasible:
+            return None
+
+    def lowest(self) -> int:
+        """The lowest limit the walk meets (:func:`min_peak`), found once."""
+        if self._lowest is None:
+            self._lowest = min_peak(self.root, self.after, self.forward)
+        return self._lowest
+
+
+def cost(chosen: Chosen) -> float:
+    """What recomputing ``chosen`` costs (:attr:`Item.cost`, summed)."""
+    return sum(i.cost for i in chosen)
+
+
+def cheapest(walk: Walk, limit: int, judge: Judge, tries: int = TRIES) -> Chosen | None:
+    """The cheapest plan found that ``judge`` says fits (module docstring), starting from the
+    walk's plan at ``limit``; ``None`` when none did within ``tries`` runs."""
+    best: Chosen | None = None
+    fits: int | None = None  # the highest walk limit whose plan fitted
+    over: int | None = None  # the lowest whose plan did not
+    tolerance = max(4096, int(limit * SLACK))
+    at, seen = limit, set()
+    for _ in range(tries):
+        chosen = walk.plan(at)
+        if chosen is None or tuple(map(id, chosen)) in seen:
+            break
+        seen.add(tuple(map(id, chosen)))
+        excess = judge(chosen)
+        if excess <= 0:
+            best = chosen if best is None or cost(chosen) < cost(best) else best
+            fits = at
+        else:
+            over = at
+        if -tolerance <= excess <= 0 or (fits is not None and over is not None
+                                          and over - fits <= tolerance):  # fmt: skip
+            break
+        at = _next(at - excess, fits, over)
+    return best
+
+
+def _next(suggested: int, fits: int | None, over: int | None) -> int:
+    """The next walk limit: the one the run suggests, unless it leaves the bracket between
+    the highest limit that fitted and the lowest that did not; then their middle."""
+    if fits is not None and over is not None and not fits < suggested < over:
+        return (fits + over) // 2
+    return suggested
+
+
+def lowest(walk: Walk, peak: Judge, seeds: Sequence[Chosen] = ()) -> tuple[Chosen, int]:
+    """The plan with the lowest run peak (``peak``: a judge that gives the peak itself) among
+    the walk's lowest plan and ``seeds`` (plans written by hand), the cheaper of equal ones;
+    and that peak. The empty plan counts: ``peak(())`` is the step without recompute."""
+    candidates = [(), *seeds]
+    floor = walk.plan(walk.lowest())
+    if floor is not None:
+        candidates.append(floor)
+    scored = {tuple(map(id, c)): (peak(c), cost(c), c) for c in candidates}
+    least, _, best = min(scored.values(), key=lambda s: (s[0], s[1]))
+    return best, least
+
+
+def hand_plans(root: Item, blocks: Sequence[str]) -> list[Chosen]:
+    """The plans people write by hand for a model whose blocks are ``blocks`` (module paths,
+    :func:`autoremat.record.tree.find_blocks`): every call of every block recomputed whole;
+    every block's children instead; and, for each outermost module that ran several times
+    (a shared layer, a cell stepped in a loop), all its calls. Each with the nodes that can be
+    chosen (candidates), empty plans left out."""
+    calls = [
+        i for i in root.walk() if any(i.path == b or i.path.startswith(f"{b}@") for b in blocks)
+    ]
+    whole = tuple(i for i in calls if i.candidate)
+    children = tuple(c for i in calls for c in i.children if c.candidate)
+    shared: dict[str, list[Item]] = {}
+    _called_again(root, shared)
+    each = (tuple(i for i in found if i.candidate) for found in shared.values())
+    plans = [whole, children, *each]
+    return [tuple(sorted(plan, key=lambda i: i.end)) for plan in plans if plan]
+
+
+def _called_again(item: Item, found: dict[str, list[Item]]) -> None:
+    """Collect in ``found`` the calls of each outermost module that ran several times (its
+    nodes named ``path@k``), by path."""
+    for child in item.children:
+        module, _, call = child.path.rpartition("@")
+        if call.isdigit() and module:
+            found.setdefault(module, []).append(child)
+        else:
+            _called_again(child, found)
