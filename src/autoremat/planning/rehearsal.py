@@ -214,23 +214,35 @@ class Rehearsal:
 
 
 class CpuStatistics(TorchDispatchMode):
-    """Fake CPU kernels made to return what the real ones do: a layer or batch norm of a
-    bfloat16 or float16 input with float32 weights (autocast's mixed precision) keeps its
+    """Fake CPU kernels made to return what the real ones do: a layer, batch or group norm of
+    a bfloat16 or float16 input with float32 weights (autocast's mixed precision) keeps its
     mean and inverse deviation in float32 on the CPU, where PyTorch's fake kernels give them
-    in the input's dtype (bytes under the real step's, measured on the examples)."""
+    in the input's dtype; a group norm's backward gives its input's gradient in the input's
+    dtype, where the fake kernel gives float32 (bytes off the real step's, measured on the
+    examples and on diffusers' VAE)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         found = _STATISTICS.get(func)
-        if found is None or not _mixed(args[0], args[found[1]]):
-            return out
-        return tuple(o.float() if k in found[0] else o for k, o in enumerate(out))
+        if found is not None and _mixed(args[0], args[found[1]]):
+            return tuple(o.float() if k in found[0] else o for k, o in enumerate(out))
+        found = _GRADIENTS.get(func)
+        if found is not None and _mixed(args[found[0]], args[found[1]]):
+            dtype = args[found[0]].dtype
+            return tuple(o.to(dtype) if k == 0 and o is not None else o for k, o in enumerate(out))
+        return out
 
 
 # op -> the indexes of its outputs that are statistics, and of its weight among its arguments
 _STATISTICS = {
     torch.ops.aten.native_layer_norm.default: ((1, 2), 2),
     torch.ops.aten.native_batch_norm.default: ((1, 2), 1),
+    torch.ops.aten.native_group_norm.default: ((1, 2), 1),
+}
+# backward op -> the indexes of its forward input and of its weight among its arguments: its
+# first output, the input's gradient, is in the input's dtype
+_GRADIENTS = {
+    torch.ops.aten.native_group_norm_backward.default: (1, 4),
 }
 
 
