@@ -4,12 +4,16 @@ a wrapped model's entries were recomputed
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
-from torch import nn
+from torch import fx, nn
 
 from autoremat.comparison.recomputed import RecomputeCounter
 from autoremat.core.nested import iter_tensors
@@ -20,6 +24,86 @@ from autoremat.wrap.checkpointed import wrapped_paths
 # too-slow health check fail tests on a busy machine, so both are off for every property test.
 settings.register_profile("autoremat", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("autoremat")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--no-recompute",
+        action="store_true",
+        help="checkpoint replaced by a plain call (nothing saved, nothing recomputed): every "
+        "test that promises a recompute must then fail (docs/architecture.md, 'Tests that "
+        "see a no-op')",
+    )
+
+
+def _plain_call(fn: Any, *args: Any, use_reentrant: Any = None, preserve_rng_state: Any = None,
+                context_fn: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+    """``checkpoint``'s signature, a plain call: what a wrap that recomputes nothing does."""
+    return fn(*args, **kwargs)
+
+
+NO_RECOMPUTE = "AUTOREMAT_TEST_NO_RECOMPUTE"  # (set for the ranks a test starts too)
+
+
+def no_recompute_if_asked() -> None:
+    """In a process a test started (a rank), the same plain call when the test run was asked
+    for ``--no-recompute``."""
+    if os.environ.get(NO_RECOMPUTE) == "1":
+        from autoremat.wrap import checkpointed
+
+        checkpointed.checkpoint = _plain_call  # type: ignore[assignment]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """With ``--no-recompute``, autoremat's checkpoint call is a plain call for the whole run,
+    here and in the ranks a test starts."""
+    if config.getoption("--no-recompute"):
+        os.environ[NO_RECOMPUTE] = "1"
+        no_recompute_if_asked()
+
+
+def aot_eager_keeping_backward() -> tuple[Any, list[fx.Graph]]:
+    """The ``aot_eager`` backend (dynamo, AOTAutograd, the min-cut partitioner, graphs run
+    eagerly) that also keeps each backward graph it makes, for :func:`recomputed_regions`."""
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    graphs: list[fx.Graph] = []
+
+    def keep(gm: fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(gm.graph)
+        return boxed_nop(gm, inputs)
+
+    return functools.partial(aot_eager, bw_compiler=keep), graphs
+
+
+@contextlib.contextmanager
+def inductor_keeping_backward() -> Iterator[list[fx.Graph]]:
+    """Inside, inductor keeps each backward graph it compiles (after its own passes: a graph
+    with ``tangents`` inputs), for :func:`recomputed_regions`; its graph cache is off."""
+    graphs: list[fx.Graph] = []
+
+    def keep(graph: fx.Graph) -> None:
+        if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
+            graphs.append(graph)
+
+    with torch._inductor.config.patch(post_grad_custom_post_pass=keep, fx_graph_cache=False):
+        yield graphs
+
+
+def recomputed_regions(backward: list[fx.Graph]) -> int:
+    """How many checkpointed regions of a compiled step run forward ops again in its backward
+    graphs: ops the partitioner was told to recompute (``must_recompute``), counted by region
+    (``ac_graph_id``). A compiled step that recomputes nothing has none."""
+    from torch._functorch.partitioners import must_recompute
+
+    return len(
+        {
+            node.meta.get("ac_graph_id")
+            for graph in backward
+            for node in graph.nodes
+            if node.op == "call_function" and must_recompute(node)
+        }
+    )
 
 
 def loss_of(output: Any) -> torch.Tensor:

@@ -52,6 +52,9 @@ def worker_main(run: Callable[[], None]) -> NoReturn:
     the traceback printed on an error (the other ranks' collectives then fail instead of
     waiting), 0 after it, without interpreter teardown (a trainer's or gloo's threads may
     abort it)."""
+    from conftest import no_recompute_if_asked
+
+    no_recompute_if_asked()
     code = 0
     try:
         run()

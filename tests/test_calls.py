@@ -30,7 +30,13 @@ from autoremat.planning.strategies.budget import choices_for
 from autoremat.wrap.calls import NewStep
 from autoremat.wrap.checkpointed import selective_paths, wrapped_paths
 from autoremat.wrap.wrapping import apply
-from conftest import assert_same_step, train_step
+from conftest import (
+    aot_eager_keeping_backward,
+    assert_same_step,
+    recomputed_regions,
+    recomputed_step,
+    train_step,
+)
 
 REPEATED = ["looped", "lstm-cell", "two-tower", "hf-albert"]
 # the module each example runs many times, which hand-placed per-call checkpointing wraps
@@ -273,7 +279,8 @@ def test_more_calls_than_profiled_warn_once_and_train_exactly() -> None:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(2):
-            torch.testing.assert_close(_lstm_step(wrapped, 80), _lstm_step(reference, 80))
+            loss = recomputed_step(wrapped, lambda: _lstm_step(wrapped, 80), plan.modules)
+            torch.testing.assert_close(loss, _lstm_step(reference, 80))
             for p, q in zip(wrapped.parameters(), reference.parameters(), strict=True):
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
     messages = [str(w.message) for w in seen if "autoremat" in str(w.message)]
@@ -358,9 +365,8 @@ def test_a_module_named_without_a_call_index_recomputes_any_number_of_calls() ->
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for steps in (64, 100, 10):
-            torch.testing.assert_close(
-                _lstm_step(wrapped, steps), _lstm_step(copy.deepcopy(model), steps)
-            )
+            loss = recomputed_step(wrapped, lambda s=steps: _lstm_step(wrapped, s), ["cell"])
+            torch.testing.assert_close(loss, _lstm_step(copy.deepcopy(model), steps))
 
 
 @pytest.mark.slow
@@ -481,7 +487,8 @@ def test_a_call_plan_compiles_to_one_graph_with_exact_gradients() -> None:
         selective={"block@3": ("aten.addmm",)},
         calls={"block": 4, "block.mlp": 4},
     )
-    counter = CompileCounterWithBackend("aot_eager")
+    backend, backward = aot_eager_keeping_backward()
+    counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     for _ in range(2):
         loss = train_step(compiled, (idx,), kwargs)
@@ -496,7 +503,7 @@ def test_a_call_plan_compiles_to_one_graph_with_exact_gradients() -> None:
         for gm in counter.graphs
         for node in gm.graph.nodes
     )
-    assert regions == 3
+    assert regions == 3 == recomputed_regions(backward)
     torch._dynamo.reset()
 
 
@@ -552,15 +559,17 @@ def test_selective_calls_under_autocast_train_exactly(entries: list[str]) -> Non
     in each recompute: selective checkpointing must not mistake those casts for a mismatch."""
     model, args, kwargs = _example("looped")
     wrapped = apply(copy.deepcopy(model), entries, selective=entries)
-    steps = []
-    for m in (model, wrapped):
+
+    def step(m: nn.Module) -> tuple[torch.Tensor, list[Any]]:
         m.zero_grad(set_to_none=True)
         torch.manual_seed(1)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = m(*args, **kwargs)["loss"]
         loss.backward()
-        steps.append((loss.detach(), [p.grad for p in m.parameters()]))
-    (loss_a, grads_a), (loss_b, grads_b) = steps
+        return loss.detach(), [p.grad for p in m.parameters()]
+
+    loss_a, grads_a = step(model)
+    loss_b, grads_b = recomputed_step(wrapped, lambda: step(wrapped))
     torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=0)
     for g, h in zip(grads_b, grads_a, strict=True):
         torch.testing.assert_close(g, h, rtol=0, atol=0)

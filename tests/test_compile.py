@@ -2,8 +2,10 @@
 children, selective entries (both ways, and per-entry ops), and the planner's own budget plans.
 
 Each compiles with ``fullgraph=True`` to one graph with one ``tag_activation_checkpoint``
-region per plan entry (backend ``aot_eager``: dynamo, AOTAutograd and the min-cut partitioner
-inductor uses, without inductor's cold compile; one test runs inductor itself), and its loss
+region per plan entry, each of which the compiled backward graph runs again
+(:func:`conftest.recomputed_regions`: a wrap that recomputed nothing fails) (backend
+``aot_eager``: dynamo, AOTAutograd and the min-cut partitioner inductor uses, without
+inductor's cold compile; one test runs inductor itself), and its loss
 and gradients equal the compiled unwrapped model's, dropout on. Under ``aot_eager`` the random
 ops run as eager ops in the forward graph and the partitioner never recomputes a random op
 (it saves the mask), so the comparison is bitwise; under inductor it is equal up to float
@@ -24,7 +26,13 @@ import autoremat
 from autoremat.core.selective import WAYS
 from autoremat.examples import Block, ConvNet, TinyGPT
 from autoremat.wrap.wrapping import apply
-from conftest import loss_of, tiny_llama
+from conftest import (
+    aot_eager_keeping_backward,
+    inductor_keeping_backward,
+    loss_of,
+    recomputed_regions,
+    tiny_llama,
+)
 
 
 class Stack(nn.Module):
@@ -85,12 +93,17 @@ def _assert_equal(step: tuple, reference: tuple, rtol: float = 0.0, atol: float 
             torch.testing.assert_close(g, h, rtol=rtol, atol=atol)
 
 
-def _compiled_once(model: nn.Module, backend: str = "aot_eager") -> tuple[nn.Module, Any]:
-    """``torch.compile(model, fullgraph=True)`` through a counting backend."""
+def _compiled_once(model: nn.Module, backend: Any = None) -> tuple[nn.Module, Any, list]:
+    """``torch.compile(model, fullgraph=True)`` through a counting backend (by default
+    ``aot_eager``), and the backward graphs it makes (for :func:`recomputed_regions`; empty
+    for a backend given)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    backward: list = []
+    if backend is None:
+        backend, backward = aot_eager_keeping_backward()
     counter = CompileCounterWithBackend(backend)
-    return torch.compile(model, backend=counter, fullgraph=True), counter
+    return torch.compile(model, backend=counter, fullgraph=True), counter, backward
 
 
 def _regions(counter: Any) -> int:
@@ -111,11 +124,11 @@ def test_every_plan_kind_compiles_to_one_graph_with_exact_gradients(kind: str) -
     spec = PLANS[kind]
     apply(model, spec["paths"], selective=spec.get("selective", ()))
 
-    compiled, counter = _compiled_once(model)
+    compiled, counter, backward = _compiled_once(model)
     step = _step(compiled, (x,), {})
     assert counter.frame_count == 1  # fullgraph=True: a graph break would have raised
-    # one region per recomputed call: a run is one region, a module one
-    assert _regions(counter) == len(spec["paths"])
+    # one region per recomputed call: a run is one region, a module one; each recomputed
+    assert _regions(counter) == len(spec["paths"]) == recomputed_regions(backward)
 
     expected = _step(torch.compile(copy.deepcopy(reference), backend="aot_eager"), (x,), {})
     _assert_equal(step, expected)
@@ -134,10 +147,10 @@ def test_the_planners_selective_budget_plan_compiles() -> None:
     assert plan.selective, f"the plan has no selective entry, the test would be vacuous: {plan}"
     plan.apply(model)
 
-    compiled, counter = _compiled_once(model)
+    compiled, counter, backward = _compiled_once(model)
     step = _step(compiled, (idx, idx), {})
     assert counter.frame_count == 1
-    assert _regions(counter) == len(plan.modules)
+    assert _regions(counter) == len(plan.modules) == recomputed_regions(backward)
     _assert_equal(step, _step(torch.compile(reference, backend="aot_eager"), (idx, idx), {}))
 
 
@@ -156,11 +169,12 @@ def test_plan_kinds_compile_under_inductor_with_exact_gradients(kind: str) -> No
     spec = PLANS[kind]
     apply(model, spec["paths"], selective=spec.get("selective", ()))
     with torch._inductor.config.patch(fallback_random=True):
-        compiled, counter = _compiled_once(model, "inductor")
-        step = _step(compiled, (x,), {})
+        with inductor_keeping_backward() as backward:
+            compiled, counter, _ = _compiled_once(model, "inductor")
+            step = _step(compiled, (x,), {})
         expected = _step(torch.compile(copy.deepcopy(reference)), (x,), {})
     assert counter.frame_count == 1
-    assert _regions(counter) == len(spec["paths"])
+    assert _regions(counter) == len(spec["paths"]) == recomputed_regions(backward)
     _assert_equal(step, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -174,7 +188,9 @@ def test_a_hugging_face_budget_plan_compiles() -> None:
     plan = autoremat.plan(model, (), kwargs, budget="50%", objective="flops")
     assert plan.selective, f"the plan has no selective entry, the test would be vacuous: {plan}"
     plan.apply(model)
-    step = _step(torch.compile(model, backend="aot_eager"), (), kwargs)
+    backend, backward = aot_eager_keeping_backward()
+    step = _step(torch.compile(model, backend=backend), (), kwargs)
+    assert recomputed_regions(backward) == len(plan.modules)
     _assert_equal(step, _step(torch.compile(reference, backend="aot_eager"), (), kwargs))
 
 
@@ -194,9 +210,9 @@ def test_batchnorm_statistics_move_once_under_compile(selective: bool) -> None:
         ["features.0", "features.1[0:2]"],
         selective=["features.0"] if selective else (),
     )
-    compiled, counter = _compiled_once(model)
+    compiled, counter, backward = _compiled_once(model)
     step = _step(compiled, (x,), {})
-    assert counter.frame_count == 1 and _regions(counter) == 2
+    assert counter.frame_count == 1 and _regions(counter) == 2 == recomputed_regions(backward)
     expected_model = copy.deepcopy(reference)
     _assert_equal(step, _step(torch.compile(expected_model, backend="aot_eager"), (x,), {}))
     moved = 0
@@ -353,9 +369,9 @@ def test_in_place_relu_inside_selective_entries_under_compile() -> None:
     x = torch.randn(2, 4, 8, 8)
     model = copy.deepcopy(reference)
     apply(model, ["0", "1"], selective=["0", "1"])
-    compiled, counter = _compiled_once(model)
+    compiled, counter, backward = _compiled_once(model)
     step = _step(compiled, (x,), {})
-    assert counter.frame_count == 1 and _regions(counter) == 2
+    assert counter.frame_count == 1 and _regions(counter) == 2 == recomputed_regions(backward)
     expected_model = copy.deepcopy(reference)
     _assert_equal(step, _step(torch.compile(expected_model, backend="aot_eager"), (x,), {}))
     for (name, b), (_, c) in zip(

@@ -26,10 +26,12 @@ import torch.distributed as dist
 
 import autoremat
 from autoremat import wrap
+from autoremat.comparison.recomputed import RecomputeCounter
 from autoremat.examples import TinyGPT
 from autoremat.planning.fingerprint import fingerprint, structure
 from autoremat.record.memory import LiveMemory
 from autoremat.training.rank_emulation import ResizeCountingMemory
+from conftest import no_recompute_if_asked
 
 WORLD = 2
 BATCH = 4  # per rank
@@ -162,7 +164,9 @@ def _worker(rank: int, out: Path) -> None:
 
     # a wrapped module that is itself a fully_shard unit (h.0), and one inside a unit
     model = _shard(wrap.apply(build(), ["h.0", "h.1.mlp"]), mesh)
-    step(model, x, y)
+    with RecomputeCounter() as seen:
+        step(model, x, y)
+    res["unit_recomputed"] = seen.missing(["h.0", "h.1.mlp"])
     res["unit_grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     res["unit_classes"] = {p: type(model.get_submodule(p)).__name__ for p in ("h.0", "h.1.mlp")}
     try:
@@ -306,6 +310,7 @@ def test_fsdp2_wrapped_unit_trains_and_remove_refuses(ranks, reference):
     nothing (the module inside a unit included)."""
     for r in ranks:
         assert r["unit_classes"] == {"h.0": "FSDPCheckpointedBlock", "h.1.mlp": "CheckpointedMLP"}
+        assert r["unit_recomputed"] == [], f"not recomputed: {r['unit_recomputed']}"
         assert_grads(r["unit_grads"], reference)
         assert "'h.0'" in r["remove_error"] and "fully_shard" in r["remove_error"]
         assert r["after_remove"] == ["h.0", "h.1.mlp"]
@@ -358,6 +363,7 @@ def test_fsdp2_per_rank_peak(ranks):
 
 if __name__ == "__main__":
     _rank, _out = int(sys.argv[1]), Path(sys.argv[2])
+    no_recompute_if_asked()
     try:
         _worker(_rank, _out)
     except BaseException:
