@@ -27,11 +27,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import autoremat
+import autoremat.comparison.recomputed
 from autoremat import wrap
 from autoremat.core import huggingface
 from autoremat.record.snapshot import RestoreError, all_or_nothing, preserved
 from autoremat.wrap.checkpointed import Checkpointed
 from conftest import assert_same_step, tiny_llama
+from conftest import train_step as conftest_train_step
 
 
 class Boom(RuntimeError):
@@ -620,6 +622,38 @@ def test_hooks_a_model_installs_on_its_first_forward_come_back_with_their_flag()
     with torch.no_grad():
         again = model(input_ids=ids, output_hidden_states=True)
     assert len(again.hidden_states) == len(out.hidden_states)
+
+
+def test_planning_runs_the_users_hooks_and_they_can_tell() -> None:
+    """Planning runs the model's step (profile, each plan's run), so its forward and full
+    backward hooks run there, with ``is_measuring()`` True; in the user's own step after it,
+    recomputes included, False (issue 40)."""
+    from autoremat.examples import EXAMPLES
+
+    model, args, kwargs = EXAMPLES["gpt2"]()
+    seen: list[tuple[str, bool, bool]] = []
+
+    def forward_hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        seen.append(("forward", autoremat.is_measuring(), autoremat.is_recomputing()))
+
+    def backward_hook(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
+        seen.append(("backward", autoremat.is_measuring(), autoremat.is_recomputing()))
+
+    for block in model.h:
+        block.register_full_backward_hook(backward_hook)
+        for module in block.modules():  # (inside an entry: run again by its recompute)
+            module.register_forward_hook(forward_hook)
+    plan = autoremat.plan(model, args, kwargs, budget="50%", objective="flops")
+    assert {kind for kind, _, _ in seen} == {"forward", "backward"}
+    assert all(measuring for _, measuring, _ in seen)
+    seen.clear()
+    plan.apply(model)
+    with autoremat.comparison.recomputed.RecomputeCounter() as counter:
+        conftest_train_step(model, args, kwargs)
+    counter.check(plan.modules)
+    assert {kind for kind, _, _ in seen} == {"forward", "backward"}
+    assert not any(measuring for _, measuring, _ in seen)
+    assert any(recomputing for _, _, recomputing in seen)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ Plan, ``plan()``), ``training`` (the whole step's memory, ``fit()``), ``comparis
 ``examples``, ``cli``. ``docs/architecture.md`` maps every file.
 """
 
+from autoremat.core.measuring import is_measuring
 from autoremat.costs.profile import NodeCost, Profile, WayCost, profile
 from autoremat.planning.broadcast_plan import broadcast_plan
 from autoremat.planning.choice import Choice
@@ -61,6 +62,7 @@ __all__ = [
     "build_tree",
     "default_loss",
     "fit",
+    "is_measuring",
     "is_recomputing",
     "lowest_budget",
     "measure",

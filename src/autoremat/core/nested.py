@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoremat.core.measuring import measuring
+
 __all__ = ["iter_tensors", "run_model", "storage_key", "tensor_bytes", "version_of"]
 
 _ATOMS = (str, bytes, int, float, bool, complex, type(None), nn.Module, type)
@@ -82,7 +84,10 @@ def version_of(t: torch.Tensor) -> int | None:
 
 
 def run_model(model: nn.Module, args: tuple[Any, ...] | Any, kwargs: dict[str, Any] | None) -> Any:
-    """Call ``model(*args, **kwargs)``; a bare ``args`` that is not a tuple is one argument."""
+    """Call ``model(*args, **kwargs)``; a bare ``args`` that is not a tuple is one argument.
+    Autoremat runs the user's model only through here: inside,
+    :func:`~autoremat.core.measuring.is_measuring` is True."""
     if not isinstance(args, tuple):
         args = (args,)
-    return model(*args, **(kwargs or {}))
+    with measuring():
+        return model(*args, **(kwargs or {}))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from autoremat.core.devices import model_device
+from autoremat.core.measuring import measuring
 from autoremat.core.nested import iter_tensors, run_model
 from autoremat.record.autocast_meta import MetaAutocast
 
@@ -217,7 +218,7 @@ def train_step(
     """
     for t in [*model.parameters(), *leaf_inputs(args, kwargs)]:
         t.grad = None
-    with torch.enable_grad():
+    with torch.enable_grad(), measuring():  # (the backward's hooks see it too)
         with autocast_for(model, autocast):
             output = run_model(model, args, kwargs)
             loss = check_loss((loss_fn or default_loss)(output))
