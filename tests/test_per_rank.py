@@ -176,13 +176,17 @@ def bf16_policy() -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def cases_for(world: int, sized: tuple[str, ...] = ("tinygpt",)) -> list[dict[str, Any]]:
-    """Each model x sharding, with no plan and with a half-budget plan; for the models in
+MODELS = ("tinygpt", "gpt2", "gpt2-cache")
+
+
+def cases_for(world: int, sized: tuple[str, ...] = ("tinygpt",),
+              models: tuple[str, ...] = MODELS) -> list[dict[str, Any]]:  # fmt: skip
+    """Each of ``models`` x sharding, with no plan and with a half-budget plan; for the models in
     ``sized`` under FSDP2 also the ``plan_for_device`` plan for a device between the two
     (which must fit it). The prediction of each rank's step (``predicted``) is made here,
     on fake tensors, with a device (which counts checkpoints' RNG states)."""
     cases = []
-    for kind in ("tinygpt", "gpt2", "gpt2-cache"):
+    for kind in models:
         model = build(kind)
         a, k = inputs(kind, 4)
         prof = autoremat.profile(model, a, k)
@@ -237,7 +241,10 @@ def fit_cases(world: int, shardings: tuple[str, ...] = ("ddp", "fsdp2")) -> list
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     world = request.param  # (fit's batch on 2 ranks, FSDP2: the benchmark has all four)
-    cases = cases_for(world) + (fit_cases(world, ("fsdp2",)) if world == 2 else [])
+    if world == 2:
+        cases = cases_for(world) + fit_cases(world, ("fsdp2",))
+    else:  # (the cache off is the plain GPT-2 of 2 ranks: on 4, the example and the cache on)
+        cases = cases_for(world, models=("tinygpt", "gpt2-cache"))
     return world, cases, launch(world, cases, tmp_path_factory.mktemp(f"ranks{world}"))
 
 
