@@ -223,12 +223,12 @@ class CpuStatistics(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        found = _STATISTICS.get(func)
-        if found is not None and _mixed(args[0], args[found[1]]):
-            return tuple(o.float() if k in found[0] else o for k, o in enumerate(out))
-        found = _GRADIENTS.get(func)
-        if found is not None and _mixed(args[found[0]], args[found[1]]):
-            dtype = args[found[0]].dtype
+        statistics = _STATISTICS.get(func)
+        if statistics is not None and _mixed(args[0], args[statistics[1]]):
+            return tuple(o.float() if k in statistics[0] else o for k, o in enumerate(out))
+        gradient = _GRADIENTS.get(func)
+        if gradient is not None and _mixed(args[gradient[0]], args[gradient[1]]):
+            dtype = args[gradient[0]].dtype
             return tuple(o.to(dtype) if k == 0 and o is not None else o for k, o in enumerate(out))
         return out
 
