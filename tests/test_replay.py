@@ -141,6 +141,34 @@ class SetsChild(nn.Module):
         return self.child(y)
 
 
+class Carries(nn.Module):
+    """Starts from the state it kept, if any, and keeps its output as the next state: a
+    recurrent layer with a cache (RecurrentGemma's ``rg_lru.recurrent_states``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.lin(x) + (0 if self.state is None else self.state))
+        self.state = y.detach()
+        return y
+
+
+class ResetsChild(nn.Module):
+    """Resets its child's state before calling it, as RecurrentGemma's recurrent block resets
+    ``rg_lru.recurrent_states`` when the cache is off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = Carries()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.child.state = None
+        return self.child(x)
+
+
 class Noisy(nn.Module):
     """Adds noise drawn from a generator of its own (not the global one checkpoint replays)."""
 
@@ -180,9 +208,11 @@ def planned(model: nn.Module, args: tuple[Any, ...], **how: Any) -> tuple[Plan, 
     return plan, reference
 
 
-def same_two_steps(reference: nn.Module, model: nn.Module, args: tuple[Any, ...]) -> None:
+def same_two_steps(
+    reference: nn.Module, model: nn.Module, args: tuple[Any, ...], kwargs: Any = None
+) -> None:
     for _ in range(2):
-        assert_same_step(reference, model, args, {})
+        assert_same_step(reference, model, args, kwargs or {})
 
 
 def breaks(model: nn.Module, paths: list[str], args: tuple[Any, ...]) -> bool:
@@ -256,6 +286,52 @@ def test_a_parent_that_sets_its_childs_attribute_replays_it_and_is_kept() -> Non
     autoremat.remove(model)
     assert breaks(model, ["mid.child"], (x_in(),))
     assert not breaks(model, ["mid"], (x_in(),))
+
+
+def test_a_parent_that_resets_its_childs_state_before_each_call_is_kept() -> None:
+    """The child's state changes in every forward (a new tensor each time), but its parent
+    sets it to the same value before each call: the parent, and every module around it,
+    replays it and is kept; the child alone would start its recompute from the state its
+    forward left, and is left out, named with the attribute (issue 40)."""
+    model = Around(ResetsChild())
+    tree = autoremat.build_tree(model, (x_in(),))
+    reason = tree.find("mid.child").replay_reason
+    assert reason is not None and "its forward changes the Python attribute 'state'" in reason
+    assert tree.find("mid").recompute_reason is None and tree.recompute_reason is None
+    plan, reference = planned(model, (x_in(),), segments=2)
+    assert "mid" in plan.modules and plan.left_out == {}
+    same_two_steps(reference, model, (x_in(),))
+    autoremat.remove(model)
+    assert breaks(model, ["mid.child"], (x_in(),))
+    assert not breaks(model, ["mid"], (x_in(),))
+
+
+def test_recurrent_gemma_is_planned_around_its_recurrent_layers_state() -> None:
+    """transformers' RecurrentGemma: its recurrent block resets ``rg_lru.recurrent_states``
+    before each call when the cache is off (as the wrapped model trains): only the two
+    ``rg_lru`` layers are left out, and the lowest plan measures below the decoder layers
+    checkpointed by hand (before: 8 modules up to the root left out, lowest above them)."""
+    t = pytest.importorskip("transformers")
+    t.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = t.RecurrentGemmaConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, intermediate_size=128, lru_width=64, attention_window_size=16,
+        block_types=("recurrent", "recurrent", "attention"), head_dim=16,
+    )  # fmt: skip
+    model = t.RecurrentGemmaForCausalLM(config).train()
+    ids = torch.randint(0, 128, (2, 32))
+    kwargs = {"input_ids": ids, "labels": ids}
+    lowest = autoremat.lowest_budget(model, (), kwargs)
+    plan = autoremat.plan(model, (), kwargs, budget=lowest, objective="flops")
+    assert sorted(plan.left_out) == [f"model.layers.{i}.temporal_block.rg_lru" for i in (0, 1)]
+    assert all("'recurrent_states'" in why for why in plan.left_out.values())
+    layers = [f"model.layers.{i}" for i in range(3)]
+    by_hand = autoremat.measure(wrap.apply(copy.deepcopy(model), layers), (), kwargs).peak
+    reference = copy.deepcopy(model)
+    plan.apply(model)
+    assert autoremat.measure(model, (), kwargs).peak <= lowest < by_hand
+    same_two_steps(reference, model, (), kwargs)
 
 
 @pytest.mark.parametrize("how", STRATEGIES)

@@ -50,17 +50,20 @@ class _CacheOff(Hook):
     :func:`turn_cache_off_in_training` (and removed by :func:`remove_cache_hooks`), not for
     the time of :func:`cache_off_in_training`."""
 
-    __slots__ = ("index", "lasting", "warn")
+    __slots__ = ("index", "lasting", "warn", "without_grad")
 
-    def __init__(self, index: int, *, warn: bool, lasting: bool) -> None:
+    def __init__(self, index: int, *, warn: bool, lasting: bool, without_grad: bool = False):
         self.index = index
         self.warn = warn
         self.lasting = lasting
+        self.without_grad = without_grad
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        return _no_cache_pre_hook(module, args, kwargs, index=self.index, warn=self.warn)
+        return _no_cache_pre_hook(
+            module, args, kwargs, index=self.index, warn=self.warn, without_grad=self.without_grad
+        )
 
 
 def _lasting_hooks(m: nn.Module) -> list[int]:
@@ -132,16 +135,17 @@ def remove_cache_hooks(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def cache_off_in_training(model: nn.Module) -> Iterator[None]:
+def cache_off_in_training(model: nn.Module, without_grad: bool = False) -> Iterator[None]:
     """While active, Hugging Face-style models inside ``model`` are called with
     ``use_cache=False`` when training with gradients, as they are once wrapped (without the
     warning): :func:`autoremat.profile` records the step the wrapped model will run, not one
-    that also fills a key/value cache."""
+    that also fills a key/value cache. ``without_grad``: in training mode without gradients
+    too (:func:`autoremat.build_tree`'s forward, which stands for a training step)."""
     handles = []
     for m in model.modules():
         index = _use_cache_index(m)
         if index is not None and not _lasting_hooks(m):
-            hook = _CacheOff(index, warn=False, lasting=False)
+            hook = _CacheOff(index, warn=False, lasting=False, without_grad=without_grad)
             handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         yield
@@ -218,8 +222,9 @@ def _no_cache_pre_hook(
     *,
     index: int,
     warn: bool = True,
+    without_grad: bool = False,
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    if not (module.training and torch.is_grad_enabled()):
+    if not (module.training and (without_grad or torch.is_grad_enabled())):
         return None
     if index < len(args):
         if args[index] is False:

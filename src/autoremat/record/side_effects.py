@@ -21,7 +21,11 @@ strategy's profile starts with that tree). It finds two things:
   to). Such a module cannot be recomputed exactly, and neither can a module around it:
   recomputing the parent runs the child's forward again (the parent's own call covers the
   child's attributes, so it is found the same way). A parent that sets a child's attribute
-  before each call, and so replays it, is not left out for it; the child is.
+  before each call, and so replays it, is not left out for it; the child is. So is one that
+  sets it to a new object each time (RecurrentGemma resets ``rg_lru.recurrent_states`` to
+  ``None`` before each call, which the call then replaces with a new tensor): an attribute
+  with which each of a module's calls began the same on the first forward as on the second
+  (call by call, :meth:`ReplayCheck._reset`) is set by something around it.
   :func:`~autoremat.record.tree.build_tree` looks quickly on its forward and, when anything
   changed, in detail on a *second* forward, whose findings it keeps (a first forward may set
   things up once: a Hugging Face classification head sets ``config.problem_type``), so only
@@ -55,9 +59,10 @@ output: the forward then keeps the arguments of the finished calls of each runni
 alive, about what a forward that keeps every block's input holds, less than a training
 forward. Measured: 4-7 ms per plan on the built-in models (2-core CPU).
 
-Not seen: state outside the modules' attributes (module-level globals, closures, a clock,
-files), objects deeper than one object or :data:`MAX_CONTAINER_DEPTH` containers, items past
-:data:`MAX_TOKENS`, nondeterministic kernels; an argument changed in place, once its caller
+Not seen: a parent that reads a child's attribute before it resets it; state outside the
+modules' attributes (module-level globals, closures, a clock, files), objects deeper than
+one object or :data:`MAX_CONTAINER_DEPTH` containers, items past :data:`MAX_TOKENS`,
+nondeterministic kernels; an argument changed in place, once its caller
 has returned, through an alias that shares its version counter but is no view of it
 (``detach()``) while the argument itself is gone; a forward that changes attributes of a
 module outside its own subtree is found for the module around both, not for itself.
@@ -73,6 +78,7 @@ import numbers
 import random
 import types
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,10 +261,12 @@ def module_state(module: nn.Module, flat: _Flattener | None = None) -> State:
     return {n: flat.items(attrs[n]) for n in sorted(names) if not n.startswith(_TORCH_PREFIXES)}
 
 
-def _changed(before: State, after: State) -> str | None:
+def _changed(before: State, after: State, skip: Collection[str] = ()) -> str | None:
     """The first attribute whose value differs (``config.problem_type`` for an attribute of
-    an object held in ``config``), or ``None``."""
+    an object held in ``config``), or ``None``; attributes in ``skip`` are not looked at."""
     for name in itertools.chain(before, (n for n in after if n not in before)):
+        if name in skip:
+            continue
         if name not in before or name not in after:
             return name
         items = before[name]
@@ -306,6 +314,7 @@ class _Call:
     held: list[_Input] = field(default_factory=list)
     own_after: State | None = None
     aliases: dict[str, str] = field(default_factory=dict)  # input where -> output where
+    own_start: State = field(default_factory=dict)  # its own, objects by identity
 
 
 def _inputs(call: _Call, args: Any, kwargs: Any) -> list[_Input]:
@@ -341,9 +350,12 @@ class ReplayCheck:
     arguments of the finished calls of each running call alive, about what a forward that
     keeps every block's input holds, less than a training forward."""
 
-    def __init__(self, paths: dict[int, str], detailed: bool = True) -> None:
+    def __init__(
+        self, paths: dict[int, str], detailed: bool = True, previous: ReplayCheck | None = None
+    ) -> None:
         self.paths = paths
         self.detailed = detailed
+        self.previous = previous
         self.replay: dict[int, str] = {}
         self.inplace: dict[int, str] = {}
         self.calls: list[_Call] = []
@@ -358,6 +370,7 @@ class ReplayCheck:
         flat = _Flattener(objects=full)
         mods = self.inside[key] if full else [module]
         call = _Call(module, [(m, module_state(m, flat)) for m in mods], objects=full)
+        call.own_start = module_state(module, _Flattener(objects=False))
         call.inputs = _inputs(call, args, kwargs)
         if self.running:
             self.running[-1].held.extend(call.inputs)
@@ -394,7 +407,7 @@ class ReplayCheck:
                 at = (id(m), call.objects)
                 if at not in end:
                     end[at] = module_state(m, flats[call.objects])
-                name = _changed(before, end[at])
+                name = _changed(before, end[at], self._reset(m) if m is not call.module else ())
                 if name is not None:
                     self.replay[key] = self._state_reason(call, m, name)
                     break
@@ -402,6 +415,25 @@ class ReplayCheck:
                 if arg.changed():
                     self._after(arg)
                 arg.tensor = None
+
+    def _reset(self, module: nn.Module) -> set[str]:
+        """The attributes of ``module`` that something sets before each of its calls, to the
+        same value on every forward: each call of it began with the same value of them here
+        as on the forward before (``previous``), call by call, though they changed. A module
+        around it that sets them so (RecurrentGemma's recurrent block, which resets its
+        ``rg_lru.recurrent_states`` to ``None`` before calling it) replays them in its
+        recompute; ``module`` itself, recomputed alone, would not: it is left out for them."""
+        if self.previous is None:
+            return set()
+        now, then = self._starts(module), self.previous._starts(module)
+        if not now or len(now) != len(then):
+            return set()
+        names = set.intersection(*(set(s) for s in (*now, *then)))
+        return {n for n in names if all(a[n] == b[n] for a, b in zip(now, then, strict=True))}
+
+    def _starts(self, module: nn.Module) -> list[State]:
+        """The own attributes ``module`` had as each of its calls began (identity-level)."""
+        return [c.own_start for c in self.calls if c.module is module]
 
     def _flag(self, call: _Call, what: str) -> None:
         self.inplace.setdefault(

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from autoremat.core.classes import own_class
+from autoremat.core.huggingface import cache_off_in_training
 from autoremat.core.nested import iter_tensors, run_model
 from autoremat.record.side_effects import ReplayCheck
 from autoremat.record.snapshot import preserved
@@ -213,13 +214,16 @@ def build_tree(
         for m in dict.fromkeys(model.modules()):
             handles.append(m.register_forward_pre_hook(calls.pre_hook, with_kwargs=True))
             handles.append(m.register_forward_hook(calls.post_hook, with_kwargs=True))
-        with preserved(model), torch.no_grad():
+        # (without a Hugging Face cache, as the step it stands for: the wrapped model trains
+        # with use_cache=False)
+        with preserved(model), torch.no_grad(), cache_off_in_training(model, without_grad=True):
             _run(calls, model, args, kwargs)
             if calls.check.replay:
                 # Python state changed: perhaps only a first forward's lazy set-up (a
                 # classification head's config.problem_type). What a recompute would see in
                 # training is what a second forward changes; look at it in detail.
-                calls.recording, calls.check = False, ReplayCheck(paths, detailed=True)
+                calls.recording = False
+                calls.check = ReplayCheck(paths, detailed=True, previous=calls.check)
                 _run(calls, model, args, kwargs)
     finally:
         for h in handles:
