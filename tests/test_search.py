@@ -22,7 +22,7 @@ from torch import nn
 import autoremat
 from autoremat.examples import EXAMPLES
 from autoremat.planning.rehearsal import PlanFields, Rehearsal, rehearsal_for, way_for
-from autoremat.planning.search import TRIES, Walk, cheapest, cost, hand_plans, lowest
+from autoremat.planning.search import TRIES, Walk, cheapest, cost, floor, hand_plans, lowest
 from autoremat.planning.solver import Item
 from autoremat.record.tree import find_blocks
 
@@ -96,6 +96,26 @@ def test_the_lowest_is_the_least_run_among_the_walks_lowest_and_the_hand_plans()
     assert lowest(WALK, peak, [(B, C)]) == ((B, C), 30)  # (cheaper than a, b and c)
     peaks.update({("a", "b", "c"): 200, ("b", "c"): 150})
     assert lowest(WALK, peak, [(B, C)]) == ((), 100)
+
+
+def test_a_plan_whose_floor_is_above_the_least_run_is_not_run() -> None:
+    """Bounded, the walk's lowest plan (b and c) runs first, at 30; then the others by their
+    floors (the peak without recompute, 100, less what they free): (a, c), floor 20, runs at
+    25; a alone (floor 80) and the empty plan (100) cannot peak lower and are not run.
+    Unbounded, every plan runs."""
+    peaks = {("b", "c"): 30, ("a", "c"): 25, ("a",): 85, (): 100}
+    runs: list[tuple[str, ...]] = []
+
+    def peak(chosen: tuple[Item, ...]) -> int:
+        runs.append(tuple(i.path for i in chosen))
+        return peaks[runs[-1]]
+
+    assert floor(WALK, (A,)) == 80 and floor(WALK, (A, C)) == 20
+    assert lowest(WALK, peak, [(A,), (A, C)], bounded=True) == ((A, C), 25)
+    assert runs == [("b", "c"), ("a", "c")]
+    runs.clear()
+    assert lowest(WALK, peak, [(A,), (A, C)]) == ((A, C), 25)
+    assert sorted(runs) == sorted([("b", "c"), ("a", "c"), ("a",), ()])
 
 
 def test_hand_plans_are_every_block_its_children_and_every_call_of_a_shared_module() -> None:

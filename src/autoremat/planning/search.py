@@ -12,7 +12,8 @@ the run said, and the walk asked again:
   that fits and one that does not are known, for at most :data:`TRIES` runs; the cheapest plan
   that fitted wins.
 * :func:`lowest`: the lowest peak among the plans the planner can make: the walk's own lowest
-  plan and the plans people write by hand (every block; every block's children), each run.
+  plan and the plans people write by hand (every block; every block's children), each run
+  but those whose :func:`floor` is above the least peak run so far.
 
 Pure but for the judge: items in, items out (what a judge runs is the caller's).
 """
@@ -32,6 +33,7 @@ __all__ = [
     "Walk",
     "cheapest",
     "cost",
+    "floor",
     "hand_plans",
     "lowest",
 ]
@@ -108,17 +110,39 @@ def _next(suggested: int, fits: int | None, over: int | None) -> int:
     return suggested
 
 
-def lowest(walk: Walk, peak: Judge, seeds: Sequence[Chosen] = ()) -> tuple[Chosen, int]:
+def lowest(
+    walk: Walk, peak: Judge, seeds: Sequence[Chosen] = (), bounded: bool = False
+) -> tuple[Chosen, int]:
     """The plan with the lowest run peak (``peak``: a judge that gives the peak itself) among
     the walk's lowest plan and ``seeds`` (plans written by hand), the cheaper of equal ones;
-    and that peak. The empty plan counts: ``peak(())`` is the step without recompute."""
+    and that peak. The empty plan counts: ``peak(())`` is the step without recompute.
+
+    ``bounded`` (``peak`` runs the step the walk's points were profiled on): a plan whose
+    :func:`floor` is not below the least peak run so far cannot be lower, and is not run; the
+    walk's plan runs first (the likeliest lowest), then the others by their floors."""
     candidates = [(), *seeds]
-    floor = walk.plan(walk.lowest())
-    if floor is not None:
-        candidates.append(floor)
-    scored = {tuple(map(id, c)): (peak(c), cost(c), c) for c in candidates}
+    found = walk.plan(walk.lowest())
+    if found is not None:
+        candidates.insert(0, found)
+    if bounded:
+        candidates = candidates[:1] + sorted(candidates[1:], key=lambda c: floor(walk, c))
+    scored: dict[tuple[int, ...], tuple[int, float, Chosen]] = {}
+    for c in candidates:
+        key = tuple(map(id, c))
+        least = min((s[0] for s in scored.values()), default=None)
+        if key in scored or (bounded and least is not None and floor(walk, c) > least):
+            continue
+        scored[key] = (peak(c), cost(c), c)
     least, _, best = min(scored.values(), key=lambda s: (s[0], s[1]))
     return best, least
+
+
+def floor(walk: Walk, chosen: Chosen) -> int:
+    """A lower bound of the peak of the step with ``chosen`` recomputed: the highest point of
+    the step without recompute less all that the plan frees (no recompute frees more than
+    its :attr:`Item.freed` at any moment)."""
+    top = max((b for _, b in (*walk.after, *walk.forward)), default=0)
+    return top - sum(i.freed for i in chosen)
 
 
 def hand_plans(root: Item, blocks: Sequence[str]) -> list[Chosen]:

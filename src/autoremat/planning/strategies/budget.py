@@ -119,7 +119,8 @@ class Planner:
             blocks = find_blocks(prof.module_tree) if prof.module_tree else []
             hand = hand_plans(root, blocks)
             tried = [h for k, h in enumerate(hand) if self.hands is None or k in self.hands]
-            self._lowest = lowest(walk, self.peak, tried)
+            bounded = self.rehearsal.eager  # (its runs are of the profiled step)
+            self._lowest = lowest(walk, self.peak, tried, bounded=bounded)
             self.won = next((k for k, h in enumerate(hand) if h == self._lowest[0]), None)
         return self._lowest
 
