@@ -356,6 +356,7 @@ class ReplayCheck:
         self.paths = paths
         self.detailed = detailed
         self.previous = previous
+        self._starts_by_module: dict[int, list[State]] | None = None
         self.replay: dict[int, str] = {}
         self.inplace: dict[int, str] = {}
         self.calls: list[_Call] = []
@@ -370,7 +371,10 @@ class ReplayCheck:
         flat = _Flattener(objects=full)
         mods = self.inside[key] if full else [module]
         call = _Call(module, [(m, module_state(m, flat)) for m in mods], objects=full)
-        call.own_start = module_state(module, _Flattener(objects=False))
+        # its own attributes, objects by identity: an inner call's quick look has them already
+        call.own_start = (
+            call.states[0][1] if not full else module_state(module, _Flattener(objects=False))
+        )
         call.inputs = _inputs(call, args, kwargs)
         if self.running:
             self.running[-1].held.extend(call.inputs)
@@ -407,7 +411,9 @@ class ReplayCheck:
                 at = (id(m), call.objects)
                 if at not in end:
                     end[at] = module_state(m, flats[call.objects])
-                name = _changed(before, end[at], self._reset(m) if m is not call.module else ())
+                name = _changed(before, end[at])
+                if name is not None and m is not call.module:  # (set around it? _reset)
+                    name = _changed(before, end[at], self._reset(m))
                 if name is not None:
                     self.replay[key] = self._state_reason(call, m, name)
                     break
@@ -425,15 +431,20 @@ class ReplayCheck:
         recompute; ``module`` itself, recomputed alone, would not: it is left out for them."""
         if self.previous is None:
             return set()
-        now, then = self._starts(module), self.previous._starts(module)
+        now, then = self._starts().get(id(module), []), self.previous._starts().get(id(module), [])
         if not now or len(now) != len(then):
             return set()
         names = set.intersection(*(set(s) for s in (*now, *then)))
         return {n for n in names if all(a[n] == b[n] for a, b in zip(now, then, strict=True))}
 
-    def _starts(self, module: nn.Module) -> list[State]:
-        """The own attributes ``module`` had as each of its calls began (identity-level)."""
-        return [c.own_start for c in self.calls if c.module is module]
+    def _starts(self) -> dict[int, list[State]]:
+        """By module, the own attributes it had as each of its calls began (identity-level),
+        gathered once the forward has ended."""
+        if self._starts_by_module is None:
+            self._starts_by_module = {}
+            for c in self.calls:
+                self._starts_by_module.setdefault(id(c.module), []).append(c.own_start)
+        return self._starts_by_module
 
     def _flag(self, call: _Call, what: str) -> None:
         self.inplace.setdefault(
