@@ -20,6 +20,7 @@ Pure but for the judge: items in, items out (what a judge runs is the caller's).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +57,11 @@ class Walk:
     after: Sequence[tuple[int, int]]
     forward: Sequence[tuple[int, int]] = ()
     _lowest: int | None = field(default=None, init=False, repr=False)
+
+    @functools.cached_property
+    def top(self) -> int:
+        """The highest point of the step without recompute."""
+        return max((b for _, b in (*self.after, *self.forward)), default=0)
 
     def plan(self, limit: int) -> Chosen | None:
         """The walk's cheapest plan whose peak it prices at most ``limit``; ``None``: none."""
@@ -127,12 +133,13 @@ def lowest(
     if bounded:
         candidates = candidates[:1] + sorted(candidates[1:], key=lambda c: floor(walk, c))
     scored: dict[tuple[int, ...], tuple[int, float, Chosen]] = {}
+    least: int | None = None
     for c in candidates:
         key = tuple(map(id, c))
-        least = min((s[0] for s in scored.values()), default=None)
         if key in scored or (bounded and least is not None and floor(walk, c) > least):
             continue
         scored[key] = (peak(c), cost(c), c)
+        least = scored[key][0] if least is None else min(least, scored[key][0])
     least, _, best = min(scored.values(), key=lambda s: (s[0], s[1]))
     return best, least
 
@@ -141,8 +148,7 @@ def floor(walk: Walk, chosen: Chosen) -> int:
     """A lower bound of the peak of the step with ``chosen`` recomputed: the highest point of
     the step without recompute less all that the plan frees (no recompute frees more than
     its :attr:`Item.freed` at any moment)."""
-    top = max((b for _, b in (*walk.after, *walk.forward)), default=0)
-    return top - sum(i.freed for i in chosen)
+    return walk.top - sum(i.freed for i in chosen)
 
 
 def hand_plans(root: Item, blocks: Sequence[str]) -> list[Chosen]:
