@@ -10,8 +10,8 @@ example) and precision: one profile, then budget plans priced by FLOPs (the same
 machine) at 75% and 50% of the peak without recompute and at the lowest budget. Each plan is
 applied to a copy and one step measured: by :class:`autoremat.LiveMemory` (what a
 ``plan(budget=...)`` budget bounds) and by the CPU allocator. With ``--memory allocator`` each
-plan's step is run counted by the CPU allocator (as ``plan_for_device`` does on a CPU), so the
-budget bounds the allocator's peak. Per model and precision also: whether the lowest budget's
+plan's step is run counted by the CPU allocator (as ``plan(device_memory=...)`` does on a CPU), so
+the budget bounds the allocator's peak. Per model and precision also: whether the lowest budget's
 plan holds, whether 4 KiB below it raises ``BudgetTooLow``, whether every block and every
 block's children checkpointed by hand measure at or above it (``--singles``: every module
 alone too, each run), and whether the measured peaks fall as the budgets do. Memory only.
@@ -117,7 +117,8 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
         "",
         "Plans priced by FLOPs. `memory`: `tensors` (the tracker's: a `plan(budget=)` budget "
         "bounds it) or `allocator` (each plan's step run counted by the CPU allocator, as "
-        "`plan_for_device` does on a CPU). `way`: how the steps ran (`real`, `fake`). `error`: "
+        "`plan(device_memory=...)` does on a CPU). `way`: how the steps ran (`real`, `fake`). "
+        "`error`: "
         "estimate over the measured peak the budget bounds, less 1. `held`: that peak within the "
         "budget. `lowest`: the lowest budget as a fraction of the peak without recompute; "
         "`-4KiB`: a budget 4 KiB below it raises `BudgetTooLow`; `hand`: the least measured "

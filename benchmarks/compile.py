@@ -10,7 +10,7 @@ events, :class:`autoremat.record.memory.CpuAllocatorMemory`, for eager and compi
 * ``budget 75%``, ``budget 50%``, ``budget min``: eager autoremat plans;
 * ``budget ... + compile``: the same plans applied, then ``torch.compile`` (inductor,
   ``activation_memory_budget`` left at 1.0: the partitioner keeps what the plan keeps);
-* ``budget ... (compile-checked) + compile``: :func:`autoremat.plan_for_compile` (the plan's
+* ``budget ... (compile-checked) + compile``: ``autoremat.plan(..., compile=...)`` (the plan's
   compiled step measured, and planned again while over the budget), then compiled;
 * ``compile b=1 ... b=0``: inductor with ``activation_memory_budget`` 1, 0.75, 0.5, 0.25, 0;
 * ``every block + compile``: Hugging Face's own gradient checkpointing (or every block
@@ -60,7 +60,7 @@ def strategies() -> list:
     # budget apply the same plan.
     chosen = [budget_plan(b, objective="flops") for b in PLAN_BUDGETS]
     chosen += [compiled(first=budget_plan(b, objective="flops")) for b in PLAN_BUDGETS]
-    # the same budgets, checked under compile (plan_for_compile: replanned while over)
+    # the same budgets, checked under compile (plan(compile=...): replanned while over)
     chosen += [
         compiled(first=budget_plan(b, objective="flops", compile_backend="inductor"))
         for b in PLAN_BUDGETS[1:]

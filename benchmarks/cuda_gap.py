@@ -45,7 +45,7 @@ def step_peak(model, args, kwargs) -> int:
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    autoremat.default_loss(model(*args, **kwargs)).backward()
+    autoremat.record.step.default_loss(model(*args, **kwargs)).backward()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - start
 
@@ -71,7 +71,7 @@ def run(name: str, model, args, kwargs, budget: str) -> None:
     torch.cuda.reset_peak_memory_stats()
     with LiveMemory() as live, Gap(live, start) as gap:
         out = wrapped(*args, **kwargs)
-        autoremat.default_loss(out).backward()
+        autoremat.record.step.default_loss(out).backward()
         del out
     torch.cuda.synchronize()
     stats = torch.cuda.memory_stats()

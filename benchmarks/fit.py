@@ -37,11 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run
-from autoremat import fit, measure_training, remove, scale_batch
+from autoremat import fit, measure_memory, remove
 from autoremat.core.nested import tensor_bytes
 from autoremat.examples import EXAMPLES
 from autoremat.record.memory import LiveMemory
 from autoremat.record.step import train_step
+from autoremat.training.scale_batch import scale_batch
 from report import dicts_to_csv
 
 # model -> the device sizes tried
@@ -156,7 +157,7 @@ def one(name: str, device: str, method: str, steps: int) -> dict[str, Any]:
     a, k = scale_batch(args, kwargs, batch)
     if plan is not None:
         plan.apply(model)
-    memory = measure_training(model, a, k, optimizer="adamw").tensors
+    memory = measure_memory(model, a, k, optimizer="adamw").tensors
     speed = throughput(model, a, k, batch, steps)
     remove(model)
     return {

@@ -69,7 +69,7 @@ def _kept_bytes(model: Any, args: Any, kwargs: Any) -> tuple[int, int]:
         train_step(model, args, kwargs, default_loss)
     finally:
         replay.CheckpointedCall._forward = original  # type: ignore[method-assign]
-    paths = {p for entry in autoremat.wrapped_paths(model) for p in covered(entry)}
+    paths = {p for entry in autoremat.wrap.wrapped_paths(model) for p in covered(entry)}
     wrapped = [m for p, m in model.named_modules() if p in paths]
     copied = sum(b.numel() * b.element_size() for m in wrapped for b in m.buffers())
     return sum(kept), copied
@@ -107,7 +107,7 @@ def main() -> int:
                     setattr(replay, attr, value)
         t_on, t_off = statistics.median(on), statistics.median(off)
         lines.append(
-            f"| {name} | {len(autoremat.wrapped_paths(model))} | {t_on * 1e3:.0f} | "
+            f"| {name} | {len(autoremat.wrap.wrapped_paths(model))} | {t_on * 1e3:.0f} | "
             f"{t_off * 1e3:.0f} | {t_on / t_off:.3f} | {kept / 1024:.1f} | {copied / 1024:.1f} |"
         )
         print(lines[-1], file=sys.stderr, flush=True)

@@ -128,7 +128,7 @@ def train_step(model: nn.Module, args: tuple, kwargs: dict, seed: int = 1) -> to
 
 def recomputed_step(model: nn.Module, step: Any, entries: Any = None) -> Any:
     """``step()``, asserting that every entry of ``model`` (``entries``, else every entry
-    wrapped, :func:`autoremat.wrapped_paths`) ran ops in a recompute meanwhile."""
+    wrapped, :func:`autoremat.wrap.wrapped_paths`) ran ops in a recompute meanwhile."""
     with RecomputeCounter() as seen:
         result = step()
     seen.check(wrapped_paths(model) if entries is None else entries)

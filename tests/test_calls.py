@@ -187,7 +187,7 @@ def test_every_call_chosen_alike_is_one_entry_and_the_table_groups_calls() -> No
         budget=1,
         estimated_peak=1,
         baseline_peak=2,
-        choices=tuple(autoremat.Choice(f"block@{k}", 10, 20) for k in (1, 2, 3, 5)),
+        choices=tuple(autoremat.planning.choice.Choice(f"block@{k}", 10, 20) for k in (1, 2, 3, 5)),
         calls={"block": 8},
     )
     table = plan.table()

@@ -156,7 +156,7 @@ def test_loss_names_the_part_of_the_output_that_is_the_loss(tmp_path, capsys):
     """``--loss`` picks the loss out of the output: a position, a key, an attribute; what is
     missing is named. A model returning (logits, loss) plans with ``--loss 1``."""
     logits, loss = torch.ones(2, 3), torch.tensor(1.5)
-    assert loss_from_output(None) is None  # the default: autoremat.default_loss
+    assert loss_from_output(None) is None  # the default: autoremat.record.step.default_loss
     assert loss_from_output("1")((logits, loss)) is loss
     assert loss_from_output("loss")({"logits": logits, "loss": loss}) is loss
     assert loss_from_output("loss")(SimpleNamespace(loss=loss)) is loss

@@ -301,29 +301,27 @@ def test_a_compiled_model_is_measured_by_the_cpu_allocator() -> None:
 
 
 @pytest.mark.slow
-def test_plan_for_compile_measures_the_compiled_step_within_the_budget() -> None:
-    """End to end with ``aot_eager``: the plan's compiled peak is measured, within the budget,
-    and the model is left unwrapped and as it was."""
-    from autoremat.planning.plan_for_compile import plan_for_compile
-
+def test_plan_with_compile_measures_the_compiled_step_within_the_budget() -> None:
+    """End to end with ``aot_eager`` (``plan(..., compile="aot_eager")``): the plan's compiled
+    peak is measured, within the budget, and the model is left unwrapped and as it was."""
     torch.manual_seed(0)
     model = Stack(width=64)
     x = torch.randn(4, 32, 64)
     before = {n: t.clone() for n, t in model.state_dict().items()}
-    chosen = plan_for_compile(model, (x,), budget="60%", backend="aot_eager", objective="flops")
+    chosen = autoremat.plan(model, (x,), budget="60%", compile="aot_eager", objective="flops")
     assert chosen.modules and chosen.budget is not None and chosen.compiled_peak is not None
     assert 0 < chosen.compiled_peak <= chosen.budget
-    assert not autoremat.wrapped_paths(model)
+    assert not autoremat.wrap.wrapped_paths(model)
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
 
 
 @pytest.mark.slow
-def test_plan_for_compile_plans_again_below_the_overshoot(monkeypatch: pytest.MonkeyPatch):
+def test_plan_with_compile_plans_again_below_the_overshoot(monkeypatch: pytest.MonkeyPatch):
     """Each plan the search proposes is judged by its compiled step: when that peaks over the
     budget, the walk's limit falls by the overshoot and the next plan is compiled, until one
     fits; the plan keeps the budget asked for and states the compiled peak. When none fits,
     ``BudgetTooLow`` gives the lowest compiled peak found."""
-    from autoremat.planning import plan_for_compile as compile_plan
+    from autoremat.planning import compiled_plan as compile_plan
     from autoremat.planning.rehearsal import PlanFields, rehearsal_for
 
     torch.manual_seed(0)
@@ -342,7 +340,7 @@ def test_plan_for_compile_plans_again_below_the_overshoot(monkeypatch: pytest.Mo
         return eager_peak + (overshoot if len(compiled) == 1 else 0)  # type: ignore[operator]
 
     monkeypatch.setattr(compile_plan, "compiled_peak", fake_peak)
-    chosen = compile_plan.plan_for_compile(model, (x,), budget="75%", objective="flops")
+    chosen = autoremat.plan(model, (x,), budget="75%", objective="flops", compile=True)
     assert len(compiled) >= 2 and compiled[1] != compiled[0]
     assert chosen.budget == eager.budget and chosen.compiled_peak <= eager.budget
     assert chosen.compiled_peak == chosen.estimated_peak
@@ -350,7 +348,7 @@ def test_plan_for_compile_plans_again_below_the_overshoot(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(compile_plan, "compiled_peak", lambda *a, **k: 10 * eager.budget)
     with pytest.raises(autoremat.BudgetTooLow):
-        compile_plan.plan_for_compile(model, (x,), budget="75%", objective="flops")
+        autoremat.plan(model, (x,), budget="75%", objective="flops", compile=True)
 
 
 @pytest.mark.slow

@@ -144,7 +144,7 @@ def _worker(rank: int, out: Path) -> None:
     model = plan.apply(build())
     ddp = DistributedDataParallel(model)
     step(ddp, x, y)
-    res["ddp_wrapped"] = list(autoremat.wrapped_paths(model))
+    res["ddp_wrapped"] = list(autoremat.wrap.wrapped_paths(model))
     res["ddp_keys"] = list(ddp.state_dict())
     res["ddp_grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
     times["ddp"] = time.perf_counter()
@@ -153,7 +153,7 @@ def _worker(rank: int, out: Path) -> None:
     mesh = init_device_mesh("cpu", (WORLD,))
     model = _shard(plan.apply(build()), mesh)
     step(model, x, y)
-    res["fsdp_wrapped"] = list(autoremat.wrapped_paths(model))
+    res["fsdp_wrapped"] = list(autoremat.wrap.wrapped_paths(model))
     res["fsdp_keys"] = list(model.state_dict())
     res["fsdp_grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     res["fsdp_classes"] = {p: type(m).__name__ for p, m in model.named_modules()}
@@ -174,18 +174,18 @@ def _worker(rank: int, out: Path) -> None:
         res["remove_error"] = None
     except ValueError as e:
         res["remove_error"] = str(e)
-    res["after_remove"] = list(autoremat.wrapped_paths(model))
+    res["after_remove"] = list(autoremat.wrap.wrapped_paths(model))
 
     # the other order: fully_shard first, then apply (the plan's structure check looks
     # through FSDP's classes), then remove
     model = _shard(build(), mesh)
     plan.apply(model)
-    res["apply_after_shard_wrapped"] = sorted(autoremat.wrapped_paths(model))
+    res["apply_after_shard_wrapped"] = sorted(autoremat.wrap.wrapped_paths(model))
     res["apply_after_shard_class"] = type(model.h[0]).__name__
     step(model, x, y)
     res["apply_after_shard_grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     autoremat.remove(model)
-    res["apply_after_shard_removed"] = list(autoremat.wrapped_paths(model))
+    res["apply_after_shard_removed"] = list(autoremat.wrap.wrapped_paths(model))
     res["apply_after_shard_restored"] = type(model.h[0]).__name__
     times["end"] = time.perf_counter()
     res["seconds"] = {k: v - times["start"] for k, v in times.items()}

@@ -78,7 +78,32 @@ CASES: dict[str, tuple[Callable[[nn.Module], object], type, str]] = {
     "segments and budget": (
         lambda m: autoremat.plan(m, (x(),), segments=2, budget="50%"),
         ValueError,
-        r"mutually exclusive: pass segments=K.*or budget=",
+        r"budget and segments are different aims: pass budget=.*device_memory=.*segments=",
+    ),
+    "budget and device memory": (
+        lambda m: autoremat.plan(m, (x(),), budget="50%", device_memory="1GiB"),
+        ValueError,
+        r"budget and device_memory are different aims",
+    ),
+    "an optimizer without a device": (
+        lambda m: autoremat.plan(m, (x(),), budget="50%", optimizer="sgd"),
+        ValueError,
+        r"optimizer size\(s\) the whole step on a device: pass device_memory=",
+    ),
+    "a sharding without a device": (
+        lambda m: autoremat.plan(m, (x(),), sharding=autoremat.Sharding("ddp", 2)),
+        ValueError,
+        r"sharding size\(s\) the whole step on a device: pass device_memory=",
+    ),
+    "a sharding by name": (
+        lambda m: autoremat.plan(m, (x(),), device_memory="1GiB", sharding="fsdp2"),
+        TypeError,
+        r"sharding must be an autoremat.Sharding, such as Sharding\('fsdp2', world_size=8\)",
+    ),
+    "compile without a budget": (
+        lambda m: autoremat.plan(m, (x(),), segments=2, compile=True),
+        ValueError,
+        r"compile= checks a budget on the compiled step: pass budget=",
     ),
     "negative segments": (
         lambda m: autoremat.plan(m, (x(),), segments=-1),
@@ -223,7 +248,7 @@ def test_the_planner_returns_its_warnings_and_plan_logs_them(
     with caplog.at_level(logging.WARNING, logger="autoremat"):
         logged = autoremat.plan(model, inputs, budget=lowest)
     assert sorted(r.getMessage() for r in caplog.records) == sorted(logged.warnings.values())
-    assert {r.name for r in caplog.records} == {"autoremat.planning.plan"}
+    assert {r.name for r in caplog.records} == {"autoremat.training.plan"}
     assert autoremat.plan(model, inputs, budget="100%").warnings.keys() == {"left_out"}
 
 

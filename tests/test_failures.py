@@ -31,6 +31,7 @@ import autoremat.comparison.recomputed
 from autoremat import wrap
 from autoremat.core import huggingface
 from autoremat.record.snapshot import RestoreError, all_or_nothing, preserved
+from autoremat.training.scale_batch import scale_batch
 from autoremat.wrap.checkpointed import Checkpointed
 from conftest import assert_same_step, tiny_llama
 from conftest import train_step as conftest_train_step
@@ -393,7 +394,7 @@ def test_apply_with_a_class_that_cannot_be_subclassed_changes_nothing() -> None:
     with pytest.raises(ValueError, match=r"module 'b' cannot be wrapped.*sealed.*out of the plan"):
         wrap.apply(model, ["a", "b"])
     assert_unchanged(before, _state_of(model))
-    assert autoremat.wrapped_paths(model) == ()
+    assert autoremat.wrap.wrapped_paths(model) == ()
 
 
 def test_apply_with_a_bad_path_changes_nothing() -> None:
@@ -425,7 +426,7 @@ def test_apply_failing_half_way_undoes_the_swaps_made() -> None:
     with pytest.raises(TypeError, match="keeps its class"):
         wrap.apply(model, ["a", "b", "c"])
     assert_unchanged(before, _state_of(model))
-    assert autoremat.wrapped_paths(model) == ()
+    assert autoremat.wrap.wrapped_paths(model) == ()
 
 
 class UsesCache(nn.Module):
@@ -468,7 +469,7 @@ def test_remove_failing_half_way_leaves_the_model_wrapped(monkeypatch) -> None:
     with pytest.raises(Boom):
         autoremat.remove(model)
     assert_unchanged(before, _state_of(model))
-    assert autoremat.wrapped_paths(model) == ("inner.a", "inner.b")
+    assert autoremat.wrap.wrapped_paths(model) == ("inner.a", "inner.b")
 
 
 REGISTRY: list[str] = []
@@ -595,7 +596,7 @@ def test_planning_and_measuring_leave_python_attributes_as_found() -> None:
     autoremat.plan(model, (x,), segments=2)
     autoremat.measure(model, (x,))
     autoremat.profile(model, (x,))
-    autoremat.fit(model, lambda b: autoremat.scale_batch((x,), {}, b), device_memory="64MiB")
+    autoremat.fit(model, lambda b: scale_batch((x,), {}, b), device_memory="64MiB")
     assert model[1].steps == 0 and "steps" in vars(model[1])
     for _ in range(2):
         for m in (model, untouched):
@@ -672,6 +673,6 @@ def test_an_optimizer_instance_is_sized_and_measured_like_its_name(make: Any) ->
     model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
     x = torch.randn(16, 8)
     opt = make(model.parameters())
-    predicted = autoremat.predict_training(model, (x,), optimizer=opt)
-    measured = autoremat.measure_training(model, (x,), optimizer=opt)
+    predicted = autoremat.predict_memory(model, (x,), optimizer=opt)
+    measured = autoremat.measure_memory(model, (x,), optimizer=opt)
     assert predicted.tensors == measured.tensors

@@ -18,7 +18,7 @@ from autoremat.planning.rehearsal import CannotRun, PlanFields
 from autoremat.record.step import train_step
 from autoremat.training.device_model import CUDA_CONTEXT, device_model
 from autoremat.training.optimizer_memory import optimizer_memory
-from autoremat.training.scale_batch import batch_size_of
+from autoremat.training.scale_batch import batch_size_of, scale_batch
 
 CASES = [("gpt2", "adamw"), ("cnn", "sgd"), ("mlp", None), ("looped", "adam"), ("hf-bert", "adamw")]
 
@@ -33,14 +33,14 @@ def test_the_whole_step_is_predicted_within_5_percent_of_real_optimizer_steps(
     if name.startswith("hf-"):
         pytest.importorskip("transformers")
     model, args, kwargs = EXAMPLES[name]()
-    predicted = autoremat.predict_training(model, args, kwargs, optimizer=optimizer)
-    measured = autoremat.measure_training(model, args, kwargs, optimizer=optimizer)
+    predicted = autoremat.predict_memory(model, args, kwargs, optimizer=optimizer)
+    measured = autoremat.measure_memory(model, args, kwargs, optimizer=optimizer)
     assert abs(predicted.tensors - measured.tensors) <= 0.05 * measured.tensors
     assert predicted.optimizer_state == (0 if optimizer is None else predicted.optimizer_state)
     plan = autoremat.plan(model, args, kwargs, budget=0.7)
     wrapped = plan.apply(copy.deepcopy(model))
-    with_plan = autoremat.predict_training(wrapped, args, kwargs, optimizer=optimizer, plan=plan)
-    real = autoremat.measure_training(wrapped, args, kwargs, optimizer=optimizer)
+    with_plan = autoremat.predict_memory(wrapped, args, kwargs, optimizer=optimizer, plan=plan)
+    real = autoremat.measure_memory(wrapped, args, kwargs, optimizer=optimizer)
     assert abs(with_plan.tensors - real.tensors) <= 0.05 * real.tensors
     assert with_plan.tensors < predicted.tensors
 
@@ -66,6 +66,20 @@ def test_any_optimizers_state_is_measured_on_meta_as_it_is_on_real_tensors(make:
     assert found.state == sum(v.untyped_storage().nbytes() for v in state.values()) > 0
 
 
+def test_an_optimizer_inside_accelerates_wrapper_is_priced_as_the_one_inside() -> None:
+    """The Hugging Face Trainer hands its callbacks accelerate's ``AcceleratedOptimizer``
+    around the real one; its state is the inner optimizer's (it once failed on meta, its
+    wrapper's constructor taking an optimizer, not parameters)."""
+    accelerated = pytest.importorskip("accelerate.optimizer")
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # (its constructor needs an initialised Accelerator, global state: the wrapper as built)
+    wrapped = accelerated.AcceleratedOptimizer.__new__(accelerated.AcceleratedOptimizer)
+    wrapped.optimizer = inner
+    assert optimizer_memory(model, wrapped) == optimizer_memory(model, inner)
+    assert optimizer_memory(model, wrapped).state > 0
+
+
 def test_an_optimizer_that_cannot_step_on_meta_is_named_with_the_fix() -> None:
     model = nn.Linear(8, 8)
     with pytest.raises(ValueError, match="without fused=True"):
@@ -79,7 +93,7 @@ def test_measure_training_puts_the_model_back() -> None:
     model(*args, **kwargs).pow(2).mean().backward()
     before = {n: t.clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
     grads = {n: p.grad for n, p in model.named_parameters()}
-    autoremat.measure_training(model, args, kwargs, optimizer="adamw", steps=3)
+    autoremat.measure_memory(model, args, kwargs, optimizer="adamw", steps=3)
     for n, t in [*model.named_parameters(), *model.named_buffers()]:
         assert torch.equal(t, before[n]), n
     assert all(p.grad is grads[n] for n, p in model.named_parameters())
@@ -88,16 +102,16 @@ def test_measure_training_puts_the_model_back() -> None:
 @pytest.mark.slow
 def test_a_prediction_on_meta_is_the_prediction_on_real_tensors() -> None:
     model, args, kwargs = EXAMPLES["gpt2"]()
-    real = autoremat.predict_training(model, args, kwargs, optimizer="adamw")
+    real = autoremat.predict_memory(model, args, kwargs, optimizer="adamw")
     shadow = autoremat.training.fit.meta_shadow(model)
     meta_args = tuple(a.to("meta") for a in args)
     meta_kwargs = {k: v.to("meta") for k, v in kwargs.items()}
-    on_meta = autoremat.predict_training(shadow, meta_args, meta_kwargs, optimizer="adamw")
+    on_meta = autoremat.predict_memory(shadow, meta_args, meta_kwargs, optimizer="adamw")
     assert on_meta == real
     assert all(p.device.type == "cpu" for p in model.parameters())  # the model is untouched
 
 
-def as_sized(found: autoremat.Fit) -> int:
+def as_sized(found: autoremat.training.fit.Fit) -> int:
     """The measured step as ``fit`` sized it: by the CPU allocator when it sized from real steps
     by it (its predicted "tensors" then hold kernels' scratch), else by the tensors."""
     assert found.measured is not None
@@ -113,17 +127,17 @@ def test_the_batch_found_on_meta_fits_when_run_and_the_next_size_up_does_not(nam
     model, args, kwargs = EXAMPLES[name]()
     state = copy.deepcopy(model.state_dict())
     found = autoremat.fit(
-        model, lambda b: autoremat.scale_batch(args, kwargs, b), device_memory="96MiB"
+        model, lambda b: scale_batch(args, kwargs, b), device_memory="96MiB"
     )
     assert found.fits and found.measured is not None
     assert abs(found.chosen.memory.tensors - as_sized(found)) <= 0.01 * as_sized(found)
     assert found.batch > found.largest_without_recompute >= 1
-    up_args, up_kwargs = autoremat.scale_batch(args, kwargs, found.batch + 1)
+    up_args, up_kwargs = scale_batch(args, kwargs, found.batch + 1)
     lowest = autoremat.lowest_budget(model, up_args, up_kwargs)
     up = autoremat.plan(model, up_args, up_kwargs, budget=lowest).apply(copy.deepcopy(model))
-    measured = autoremat.measure_training(up, up_args, up_kwargs, optimizer="adamw")
+    measured = autoremat.measure_memory(up, up_args, up_kwargs, optimizer="adamw")
     assert measured.tensors > found.device.total  # the next size up does not fit, even so
-    assert not autoremat.wrapped_paths(model)
+    assert not autoremat.wrap.wrapped_paths(model)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
@@ -132,7 +146,7 @@ def test_the_throughput_objective_picks_the_most_samples_per_second() -> None:
     model, args, kwargs = EXAMPLES["mlp"]()
     found = autoremat.fit(
         model,
-        lambda b: autoremat.scale_batch(args, kwargs, b),
+        lambda b: scale_batch(args, kwargs, b),
         device_memory="48MiB",
         objective="throughput",
         verify=False,
@@ -163,18 +177,18 @@ def test_a_model_that_cannot_train_at_batch_one_is_fitted_from_two() -> None:
 def test_a_device_too_small_for_a_batch_of_one_says_what_it_needs() -> None:
     model, args, kwargs = EXAMPLES["mlp"]()
     with pytest.raises(ValueError, match=r"even a batch of 1 does not fit 1.00 MiB.*needs"):
-        autoremat.fit(model, lambda b: autoremat.scale_batch(args, kwargs, b), device_memory="1MiB")
+        autoremat.fit(model, lambda b: scale_batch(args, kwargs, b), device_memory="1MiB")
 
 
 def test_scale_batch_repeats_the_example_rows_and_keeps_the_rest() -> None:
     x, mask = torch.arange(6.0).reshape(3, 2), torch.ones(3, 5)
     table = torch.zeros(7, 2)  # not batch-sized: kept
-    args, kwargs = autoremat.scale_batch((x, table), {"mask": mask, "n": 3}, 7)
+    args, kwargs = scale_batch((x, table), {"mask": mask, "n": 3}, 7)
     assert args[0].shape == (7, 2) and torch.equal(args[0][3], x[0]) and args[1] is table
     assert kwargs["mask"].shape == (7, 5) and kwargs["n"] == 3
     assert batch_size_of((x, table), {"mask": mask}) == 3
     with torch.device("meta"):
-        meta_args, _ = autoremat.scale_batch((x,), {}, 10**9)  # no memory
+        meta_args, _ = scale_batch((x,), {}, 10**9)  # no memory
     assert meta_args[0].device.type == "meta" and meta_args[0].shape == (10**9, 2)
 
 
@@ -205,23 +219,23 @@ def test_the_fit_command_prints_the_batch_the_plan_and_the_memory(capsys: Any) -
 @pytest.mark.slow
 def test_a_plan_for_a_device_fits_the_whole_step_at_a_fixed_batch() -> None:
     model, args, kwargs = EXAMPLES["gpt2"]()
-    whole = autoremat.measure_training(model, args, kwargs, optimizer="sgd").tensors
+    whole = autoremat.measure_memory(model, args, kwargs, optimizer="sgd").tensors
     device = int(whole * 0.6)
-    chosen = autoremat.plan_for_device(
+    chosen = autoremat.plan(
         model, args, kwargs, device_memory=device, optimizer="sgd", objective="flops"
     )
     assert chosen.modules and chosen.budget is not None
     wrapped = chosen.apply(copy.deepcopy(model))
-    assert autoremat.measure_training(wrapped, args, kwargs, optimizer="sgd").tensors <= device
-    roomy = autoremat.plan_for_device(model, args, kwargs, device_memory=2 * whole, optimizer="sgd")
+    assert autoremat.measure_memory(wrapped, args, kwargs, optimizer="sgd").tensors <= device
+    roomy = autoremat.plan(model, args, kwargs, device_memory=2 * whole, optimizer="sgd")
     assert roomy.modules == ()
     with pytest.raises(autoremat.BudgetTooLow, match=r"does not fit .* it needs"):
-        autoremat.plan_for_device(model, args, kwargs, device_memory=whole // 10, optimizer="sgd")
+        autoremat.plan(model, args, kwargs, device_memory=whole // 10, optimizer="sgd")
 
 
 def test_scale_batch_along_another_dimension() -> None:
     x = torch.randn(50, 3, 8)  # time x batch x features
-    (scaled,), _ = autoremat.scale_batch((x,), {}, 7, dim=1)
+    (scaled,), _ = scale_batch((x,), {}, 7, dim=1)
     assert scaled.shape == (50, 7, 8) and torch.equal(scaled[:, 3], x[:, 0])
     assert batch_size_of((x,), {}, dim=1) == 3
 
@@ -245,7 +259,7 @@ def test_autocast_is_sized_on_meta_as_it_runs(name: str) -> None:
     ]
     found = autoremat.fit(
         model,
-        lambda b: autoremat.scale_batch(args, kwargs, b),
+        lambda b: scale_batch(args, kwargs, b),
         device_memory="64MiB",
         autocast=torch.bfloat16,
         optimizer="sgd",
@@ -259,7 +273,7 @@ def test_a_plan_made_for_autocast_holds_its_budget_under_autocast() -> None:
     """``plan(..., autocast=...)`` profiles forward and loss under autocast, as it will train;
     inside an autocast region it does the same (the region's cast cache would hide the step's
     casts), and ``measure(..., autocast=...)`` measures that step; so do ``measure`` and
-    ``measure_training`` inside a region (they ran backward in it before, where the cache kept
+    ``measure_memory`` inside a region (they ran backward in it before, where the cache kept
     the checkpointed blocks' weight copies through backward: 1.8% over the budget)."""
     model, args, kwargs = EXAMPLES["looped"]()
     spec = ("cpu", torch.bfloat16)
@@ -278,10 +292,10 @@ def test_a_plan_made_for_autocast_holds_its_budget_under_autocast() -> None:
     assert chosen.estimated_peak is not None and chosen.budget is not None
     assert measured <= chosen.budget
     assert abs(chosen.estimated_peak - measured) <= 0.05 * measured
-    whole = autoremat.measure_training(wrapped, args, kwargs, optimizer="sgd", autocast=spec)
+    whole = autoremat.measure_memory(wrapped, args, kwargs, optimizer="sgd", autocast=spec)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert autoremat.measure(wrapped, args, kwargs).peak == measured
-        found = autoremat.measure_training(wrapped, args, kwargs, optimizer="sgd")
+        found = autoremat.measure_memory(wrapped, args, kwargs, optimizer="sgd")
         assert torch.is_autocast_enabled("cpu")  # the caller's region, as it was
     assert found.tensors == whole.tensors
 
@@ -290,18 +304,18 @@ def test_a_plan_made_for_autocast_holds_its_budget_under_autocast() -> None:
 def test_autocast_and_device_memory_forms_are_checked_with_messages() -> None:
     model, args, kwargs = EXAMPLES["mlp"]()
     with pytest.raises(TypeError, match=r"autocast must be None, a dtype"):
-        autoremat.measure_training(model, args, kwargs, autocast="bf16")
+        autoremat.measure_memory(model, args, kwargs, autocast="bf16")
     with pytest.raises(ValueError, match=r"device_memory '150%' is not understood"):
-        autoremat.plan_for_device(model, args, kwargs, device_memory="150%")
+        autoremat.plan(model, args, kwargs, device_memory="150%")
     shadow = autoremat.training.fit.meta_shadow(model)
     found = autoremat.fit(
-        shadow, lambda b: autoremat.scale_batch(args, kwargs, b), device_memory="64MiB"
+        shadow, lambda b: scale_batch(args, kwargs, b), device_memory="64MiB"
     )
     assert found.batch >= 1 and found.measured is None  # nothing runs on meta
     assert "not verified (the model is on meta, where nothing runs)" in str(found)
     assert "(sized on meta)" in str(found)
     with pytest.raises(ValueError, match=r"the model is on meta, which has none: give"):
-        autoremat.fit(shadow, lambda b: autoremat.scale_batch(args, kwargs, b), device_memory="90%")
+        autoremat.fit(shadow, lambda b: scale_batch(args, kwargs, b), device_memory="90%")
     with pytest.raises(autoremat.BudgetTooLow) as refused:
         autoremat.plan(model, args, kwargs, budget=0.01, autocast=torch.bfloat16)
     assert "mixed precision" not in str(refused.value)  # it is mixed precision already
@@ -313,8 +327,8 @@ def test_a_hugging_face_models_own_step_is_predicted_with_its_cache() -> None:
     key/value cache in training (1.4% more on GPT-2, which the prediction missed before)."""
     pytest.importorskip("transformers")
     model, args, kwargs = EXAMPLES["hf-gpt2"]()
-    predicted = autoremat.predict_training(model, args, kwargs, optimizer="sgd")
-    measured = autoremat.measure_training(model, args, kwargs, optimizer="sgd")
+    predicted = autoremat.predict_memory(model, args, kwargs, optimizer="sgd")
+    measured = autoremat.measure_memory(model, args, kwargs, optimizer="sgd")
     assert predicted.tensors == measured.tensors
     cache_off = autoremat.profile(model, args, kwargs).peak
     assert autoremat.profile(model, args, kwargs, hf_cache=True).peak > cache_off
@@ -329,22 +343,22 @@ def test_the_fit_command_names_a_malformed_device_memory(capsys: Any) -> None:
 def test_the_largest_batch_without_recompute_counts_the_cache_a_plain_model_fills() -> None:
     """A Hugging Face decoder trained untouched fills its key/value cache (every applied plan
     turns it off): the batch ``fit`` says trains without recompute is sized with the cache, as
-    ``predict_training`` of the model's own step (before: without it, one batch too many)."""
+    ``predict_memory`` of the model's own step (before: without it, one batch too many)."""
     model, args, kwargs = EXAMPLES["hf-gpt2"]()
     found = autoremat.fit(
         model,
-        lambda b: autoremat.scale_batch(args, kwargs, b),
+        lambda b: scale_batch(args, kwargs, b),
         device_memory="120MiB",
         optimizer="sgd",
         verify=False,
     )
     batch = found.largest_without_recompute
     (without,) = [c.without for c in found.candidates if c.batch == batch]
-    at = autoremat.scale_batch(args, kwargs, batch)
-    own = autoremat.predict_training(model, *at, optimizer="sgd")
+    at = scale_batch(args, kwargs, batch)
+    own = autoremat.predict_memory(model, *at, optimizer="sgd")
     cache_off = plan_from_profile(model, autoremat.profile(model, *at), 1.0)
     assert without.tensors == own.tensors
-    without_cache = autoremat.predict_training(model, *at, optimizer="sgd", plan=cache_off)
+    without_cache = autoremat.predict_memory(model, *at, optimizer="sgd", plan=cache_off)
     assert own.tensors > without_cache.tensors
 
 
@@ -360,7 +374,7 @@ def test_on_the_cpu_a_fraction_is_of_the_ram_available_and_the_check_never_excee
     monkeypatch.setattr(dm, "available_memory", lambda device: 64 * 2**20)
     assert device_model("50%").total == 32 * 2**20
     model, args, kwargs = EXAMPLES["mlp"]()
-    make = lambda b: autoremat.scale_batch(args, kwargs, b)  # noqa: E731
+    make = lambda b: scale_batch(args, kwargs, b)  # noqa: E731
     monkeypatch.setattr(fit_module, "available_memory", lambda device: 8 * 2**20)
     with caplog.at_level("WARNING", logger="autoremat.training.fit"):
         found = autoremat.fit(model, make, device_memory="48MiB", optimizer="sgd", max_batch=4096)
@@ -406,7 +420,7 @@ def test_a_reserve_is_left_free_and_the_output_a_loop_may_keep_is_named() -> Non
     """``reserve`` keeps memory free (a smaller batch fits), and the answer says what the loop
     it assumes frees, and what keeping the output through the next forward would take."""
     model, args, kwargs = EXAMPLES["mlp"]()
-    make = lambda b: autoremat.scale_batch(args, kwargs, b)  # noqa: E731
+    make = lambda b: scale_batch(args, kwargs, b)  # noqa: E731
     how = {"device_memory": "64MiB", "optimizer": "sgd", "verify": False, "max_batch": 8192}
     plain = autoremat.fit(model, make, **how)
     kept = autoremat.fit(model, make, reserve="16MiB", **how)
@@ -462,7 +476,7 @@ def test_a_model_that_cannot_run_on_meta_is_sized_from_real_steps_scaled(caplog:
     lowest = autoremat.lowest_budget(model, up_args, objective="flops")
     plan = autoremat.plan(model, up_args, budget=lowest, objective="flops")
     wrapped = plan.apply(copy.deepcopy(model))
-    up = autoremat.measure_training(wrapped, up_args, optimizer="sgd")
+    up = autoremat.measure_memory(wrapped, up_args, optimizer="sgd")
     assert up.allocated is not None and up.allocated > found.device.total  # (as fit sizes it)
 
 
@@ -495,9 +509,9 @@ def test_bert_under_bf16_autocast_is_sized_from_real_steps_scaled(padded: bool) 
     model, args, kwargs = _tiny_bert(padded)
     spec = ("cpu", torch.bfloat16)
 
-    def real(b: int) -> autoremat.Profile:
+    def real(b: int) -> autoremat.costs.profile.Profile:
         return autoremat.profile(
-            model, *autoremat.scale_batch(args, kwargs, b), autocast=spec, timed=False
+            model, *scale_batch(args, kwargs, b), autocast=spec, timed=False
         )
 
     scaled = ScaledProfiles(real, 1, real(1))
@@ -507,7 +521,7 @@ def test_bert_under_bf16_autocast_is_sized_from_real_steps_scaled(padded: bool) 
     with pytest.raises(CannotRun, match="not linear in the batch"):
         scaled.rehearsal_at(24).peak(entries)
     found = autoremat.fit(
-        model, lambda b: autoremat.scale_batch(args, kwargs, b), device_memory="48MiB",
+        model, lambda b: scale_batch(args, kwargs, b), device_memory="48MiB",
         autocast=spec, optimizer="sgd", max_batch=256,
     )  # fmt: skip
     assert found.fits and found.measured is not None and found.batch > 64
@@ -527,7 +541,7 @@ def test_a_step_that_does_not_scale_with_the_batch_is_refused_by_name() -> None:
             return (y @ y.T).relu()  # batch x batch
 
     model = Pairs()
-    with pytest.raises(NotScalable, match=r"not linear in the batch.*plan_for_device"):
+    with pytest.raises(NotScalable, match=r"not linear in the batch.*plan\(model, args, kw"):
         autoremat.fit(model, lambda b: ((torch.randn(b, 64),), {}), device_memory="64MiB",
                       optimizer="sgd", verify=False)  # fmt: skip
 

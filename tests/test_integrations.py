@@ -95,9 +95,9 @@ def test_the_trainer_callback_trains_exactly_as_without_it_at_a_lower_peak(
         (planned.losses, planned.grads, list(planned.model.state_dict().values())),
     )
     assert planned_peak < 0.8 * plain_peak, (planned_peak, plain_peak)  # (recomputed)
-    assert not autoremat.wrapped_paths(planned.model)  # taken off when training ended
+    assert not autoremat.wrap.wrapped_paths(planned.model)  # taken off when training ended
     callback.on_train_begin(planned.args, planned.state, planned.control, model=planned.model)
-    assert autoremat.wrapped_paths(planned.model)  # a later train() gets the same plan
+    assert autoremat.wrap.wrapped_paths(planned.model)  # a later train() gets the same plan
     callback.on_train_end(planned.args, planned.state, planned.control, model=planned.model)
 
 
@@ -111,7 +111,7 @@ def test_the_trainer_saves_the_original_architecture_with_the_plan_applied(
         trainer, _ = _train(tmp_path / "run", [callback], watch=contextlib.nullcontext())
     assert callback.plan is not None
     seen.check(callback.plan.modules)  # every entry ran ops in a recompute
-    assert autoremat.wrapped_paths(trainer.model)  # still applied
+    assert autoremat.wrap.wrapped_paths(trainer.model)  # still applied
     trainer.save_model(str(tmp_path / "saved"))
     loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved"))
     assert type(loaded) is transformers.GPT2LMHeadModel
@@ -194,7 +194,7 @@ def test_the_lightning_callback_trains_exactly_as_without_it_at_a_lower_peak(cap
         (planned.losses, planned.grads, list(planned.parameters())),
     )
     assert planned_peak < 0.8 * plain_peak, (planned_peak, plain_peak)  # (recomputed)
-    assert not autoremat.wrapped_paths(planned)  # taken off when training ended
+    assert not autoremat.wrap.wrapped_paths(planned)  # taken off when training ended
 
 
 # --- accelerate -----------------------------------------------------------------------------
@@ -243,7 +243,7 @@ def test_a_plan_applied_before_accelerate_prepare_trains_exactly_at_a_lower_peak
         ([loss for loss, _ in plain], [g for _, g in plain], list(plain_model.parameters())),
         ([loss for loss, _ in planned], [g for _, g in planned], list(planned_model.parameters())),
     )
-    assert autoremat.wrapped_paths(planned_model)  # kept through prepare
+    assert autoremat.wrap.wrapped_paths(planned_model)  # kept through prepare
     assert planned_peak < 0.8 * plain_peak, (planned_peak, plain_peak)  # (recomputed)
 
 
@@ -262,4 +262,4 @@ def test_a_budget_the_first_batch_cannot_meet_is_refused_without_a_real_profile(
     with pytest.raises(autoremat.BudgetTooLow):
         model(torch.randn(32, 64)).sum().backward()
     assert "cannot be planned on meta" not in caplog.text
-    assert planner.plan is None and not autoremat.wrapped_paths(model)
+    assert planner.plan is None and not autoremat.wrap.wrapped_paths(model)

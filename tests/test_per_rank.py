@@ -1,4 +1,4 @@
-"""Per-rank sizing (``world_size=``, ``sharding=``) against real gloo ranks on the CPU.
+"""Per-rank sizing (``sharding=Sharding(...)``) against real gloo ranks on the CPU.
 
 The parent predicts each rank's whole step on fake tensors (no ranks: FSDP2 is emulated,
 DDP priced); then 2 and 4 processes (gloo) build the same models, shard them (DDP, FSDP2 with
@@ -156,8 +156,9 @@ def launch(world: int, cases: list[dict[str, Any]], out: Path) -> list[list[dict
 
 
 def measured_total(case: dict[str, Any], seen: dict[str, int], most: bool = False) -> int:
-    """A rank's most tensors held at once, as :class:`autoremat.StepMemory` adds them up, in
-    the least of three steps (``most``: the most). Under FSDP2 a step now and then holds one
+    """A rank's most tensors held at once, as :class:`~autoremat.training.step_memory.StepMemory`
+    adds, in the least of three steps (``most``: the most). Under FSDP2 a step now and then holds
+    one
     unit's all-gather buffer a little longer, when gloo's own thread drops its last reference
     to it late (seen on 4 ranks: one unit's parameter bytes more, once in a few runs)."""
     step = seen["step_max" if most else "step"]
@@ -182,7 +183,7 @@ MODELS = ("tinygpt", "gpt2", "gpt2-cache")
 def cases_for(world: int, sized: tuple[str, ...] = ("tinygpt",),
               models: tuple[str, ...] = MODELS) -> list[dict[str, Any]]:  # fmt: skip
     """Each of ``models`` x sharding, with no plan and with a half-budget plan; for the models in
-    ``sized`` under FSDP2 also the ``plan_for_device`` plan for a device between the two
+    ``sized`` under FSDP2 also the ``plan(device_memory=...)`` plan for a device between the two
     (which must fit it). The prediction of each rank's step (``predicted``) is made here,
     on fake tensors, with a device (which counts checkpoints' RNG states)."""
     cases = []
@@ -193,21 +194,20 @@ def cases_for(world: int, sized: tuple[str, ...] = ("tinygpt",),
         half = autoremat.plan(model, a, k, budget="50%", objective="flops")
         units = list(default_units(model))
         for sharding, keep, mp in SHARDINGS:
-            how: dict[str, Any] = {"world_size": world, "sharding": sharding,
-                                   "reshard_after_forward": not keep}  # fmt: skip
-            if mp:
-                how["sharding"] = Sharding("fsdp2", world, tuple(units), mp_policy=bf16_policy())
-            plain = autoremat.predict_training(model, a, k, device_memory="1GiB", **how)
+            policy = bf16_policy() if mp else None
+            chosen = tuple(units) if mp else None
+            how: dict[str, Any] = {"sharding": Sharding(sharding, world, chosen, not keep, policy)}
+            plain = autoremat.predict_memory(model, a, k, device_memory="1GiB", **how)
             plans: list[tuple[Any, int | None]] = [(None, None), (half, None)]
             if kind in sized and sharding == "fsdp2" and not keep and not mp:
                 least = plan_from_profile(model, prof, profile_lowest(prof))
-                lowest = autoremat.predict_training(model, a, k, plan=least, **how)
+                lowest = autoremat.predict_memory(model, a, k, plan=least, **how)
                 room = (plain.tensors + lowest.tensors) // 2
-                fitted = autoremat.plan_for_device(model, a, k, device_memory=room,
-                                                   objective="flops", **how)  # fmt: skip
+                fitted = autoremat.plan(model, a, k, device_memory=room, objective="flops",
+                                        **how)  # fmt: skip
                 plans.append((fitted, room))
             for p, room in plans:
-                memory = plain if p is None else autoremat.predict_training(
+                memory = plain if p is None else autoremat.predict_memory(
                     model, a, k, plan=p, device_memory="1GiB", **how)  # fmt: skip
                 cases.append({"model": kind, "sharding": sharding, "keep": keep, "mp": mp,
                               "batch": 4, "units": units, "plan": p.to_dict() if p else None,
@@ -216,21 +216,21 @@ def cases_for(world: int, sized: tuple[str, ...] = ("tinygpt",),
 
 
 def fit_cases(world: int, shardings: tuple[str, ...] = ("ddp", "fsdp2")) -> list[dict[str, Any]]:
-    """``fit(world_size=world)`` on the built-in example for a device of 1.5x its batch-2
+    """``fit(sharding=Sharding(s, world))`` on the built-in example for a device of 1.5x its batch-2
     step (``shardings``): the batch found with its plan, and one more at its lowest plan."""
     model = build("tinygpt")
     cases = []
     for sharding in shardings:
-        how = {"world_size": world, "sharding": sharding}
-        limit = int(1.5 * autoremat.predict_training(model, *inputs("tinygpt", 2), **how).tensors)
+        how = {"sharding": Sharding(sharding, world)}
+        limit = int(1.5 * autoremat.predict_memory(model, *inputs("tinygpt", 2), **how).tensors)
         found = autoremat.fit(model, lambda b: inputs("tinygpt", b), device_memory=limit, **how)
         a, k = inputs("tinygpt", found.batch + 1)
         prof = autoremat.profile(model, a, k)
         beyond = plan_from_profile(model, prof, profile_lowest(prof))
         units = list(default_units(model))
         for batch, p in ((found.batch, found.plan), (found.batch + 1, beyond)):
-            memory = autoremat.predict_training(model, *inputs("tinygpt", batch), plan=p,
-                                                device_memory=limit, **how)  # fmt: skip
+            memory = autoremat.predict_memory(model, *inputs("tinygpt", batch), plan=p,
+                                              device_memory=limit, **how)  # fmt: skip
             cases.append({"model": "tinygpt", "sharding": sharding, "keep": False,
                           "batch": batch, "units": units, "plan": p.to_dict(), "fit": limit,
                           "next": batch > found.batch,
@@ -267,7 +267,7 @@ def test_each_ranks_step_is_predicted_to_the_byte(ranks):
 
 @pytest.mark.slow
 def test_fit_per_rank_finds_the_largest_batch_that_trains(ranks):
-    """The batch ``fit(world_size=..., sharding=...)`` finds, with its plan, trains on every
+    """The batch ``fit(sharding=...)`` finds, with its plan, trains on every
     real rank within the device; the next batch up, even at its lowest plan, does not fit."""
     world, cases, seen = ranks
     if world != 2:
@@ -281,30 +281,24 @@ def test_fit_per_rank_finds_the_largest_batch_that_trains(ranks):
 
 
 def test_sharding_is_checked_and_units_default_to_the_blocks():
-    """``world_size`` above 1 needs a strategy; units are the blocks (``_no_split_modules``
-    for Hugging Face, the largest ``ModuleList`` otherwise); a unit must be a submodule."""
+    """A ``Sharding`` names its ranks; units are the blocks (``_no_split_modules`` for Hugging
+    Face, the largest ``ModuleList`` otherwise); a unit must be a submodule."""
     tiny, hf = build("tinygpt"), build("gpt2")
     assert default_units(tiny) == ("h.0", "h.1", "h.2", "h.3")
     assert default_units(hf) == tuple(f"transformer.h.{i}" for i in range(4))
-    assert sharding_of(tiny, 1, None) is None
-    assert sharding_of(tiny, 1, Sharding("fsdp2", 2)).units == default_units(tiny)
-    with pytest.raises(ValueError, match="needs a sharding, 'ddp' or 'fsdp2' \\(--sharding"):
-        sharding_of(tiny, 2, None)
+    assert sharding_of(tiny, None) is None
+    assert sharding_of(tiny, Sharding("fsdp2", 2)).units == default_units(tiny)
+    with pytest.raises(TypeError, match=r"sharding must be an autoremat.Sharding, such as"):
+        sharding_of(tiny, "fsdp2")  # type: ignore[arg-type]
     for world in (0, 2.5, True):
         with pytest.raises(ValueError, match="world_size must be a whole number >= 1"):
-            sharding_of(tiny, world, "ddp")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="sharding must be one of ddp, fsdp2"):
-        sharding_of(tiny, 2, "zero3")
+            Sharding("ddp", world)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="sharding must be one of ddp, fsdp2"):
         Sharding("zero3", 2)
     with pytest.raises(ValueError, match=r"\['h.9'\] are not submodules of TinyGPT"):
-        sharding_of(tiny, 2, "fsdp2", units=["h.9"])
-    with pytest.raises(ValueError, match=r"\['h.9'\] are not submodules of TinyGPT"):
-        sharding_of(tiny, 1, Sharding("fsdp2", 2, units=("h.9",)))
-    with pytest.raises(ValueError, match=r"world_size=4 and fsdp2 over 2 ranks .* disagree"):
-        sharding_of(tiny, 4, Sharding("fsdp2", 2))
+        sharding_of(tiny, Sharding("fsdp2", 2, units=["h.9"]))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="FSDP2's settings"):
-        sharding_of(tiny, 2, "ddp", units=["h.0"])
+        Sharding("ddp", 2, units=("h.0",))
     with pytest.raises(ValueError, match="FSDP2's settings"):
         Sharding("ddp", 2, reshard_after_forward=False)
     with pytest.raises(ValueError, match=r"mp_policy must be a torch\.distributed\.fsdp\.Mixed"):
@@ -314,9 +308,9 @@ def test_sharding_is_checked_and_units_default_to_the_blocks():
 def test_a_model_without_blocks_is_sharded_at_the_root_with_a_warning(caplog):
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
     with caplog.at_level("WARNING", logger="autoremat.training.sharding"):
-        spec = sharding_of(model, 2, "fsdp2")
+        spec = sharding_of(model, Sharding("fsdp2", 2))
     assert spec is not None and spec.units == ()
-    assert "only the root is a unit" in caplog.text and "fsdp_units=" in caplog.text
+    assert "only the root is a unit" in caplog.text and "units=[...]" in caplog.text
     assert "(the root only)" in str(spec)
 
 
@@ -333,8 +327,8 @@ def test_a_step_that_reads_values_cannot_be_emulated_and_says_what_to_do():
 
     model, x = Routed(), torch.randn(4, 8)
     with pytest.raises(ValueError, match="Routed's FSDP2 rank cannot be emulated on fake"):
-        autoremat.predict_training(model, (x,), world_size=2, sharding="fsdp2")
-    assert autoremat.predict_training(model, (x,), world_size=2, sharding="ddp").buckets > 0
+        autoremat.predict_memory(model, (x,), sharding=Sharding("fsdp2", 2))
+    assert autoremat.predict_memory(model, (x,), sharding=Sharding("ddp", 2)).buckets > 0
 
 
 def test_the_emulation_leaves_no_process_group_and_shards_by_the_world():
@@ -344,28 +338,32 @@ def test_the_emulation_leaves_no_process_group_and_shards_by_the_world():
     model = build("tinygpt")
     hook = sys.excepthook
     a, k = inputs("tinygpt", 2)
-    two, four = (autoremat.predict_training(model, a, k, world_size=n, sharding="fsdp2")
+    two, four = (autoremat.predict_memory(model, a, k, sharding=Sharding("fsdp2", n))
                  for n in (2, 4))  # fmt: skip
     assert not dist.is_initialized() and sys.excepthook is hook
     whole = sum(p.numel() * 4 for p in model.parameters())
     assert two.parameters == whole // 2 and four.parameters == whole // 4
     assert two.gradients == 2 * four.gradients
     assert two.buffers == four.buffers == tensor_bytes(list(model.buffers()))
-    ddp = autoremat.predict_training(model, a, k, world_size=4, sharding="ddp")
+    ddp = autoremat.predict_memory(model, a, k, sharding=Sharding("ddp", 4))
     assert ddp.parameters == ddp.buckets == whole and "per rank: ddp over 4 ranks" in str(ddp)
 
 
 @pytest.mark.slow
 def test_the_fit_command_sizes_one_rank(capsys):
     """``autoremat fit TARGET --world-size N --sharding S`` prints one rank's batch and memory
-    and says it is not checked on a device; ``--world-size`` alone is one line, status 2."""
+    and says it is not checked on a device; ``--world-size`` alone, or ``--sharding`` alone
+    (which once sized one rank silently), is one line, status 2."""
     assert main(["fit", "mlp", "--device-memory", "48MiB", "--world-size", "4",
                  "--sharding", "fsdp2", "--optimizer", "sgd"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "per rank: fsdp2 over 4 ranks" in out and "parameters (this rank's shards)" in out
     assert "not verified (sized per rank" in out
     assert main(["fit", "mlp", "--device-memory", "48MiB", "--world-size", "4"]) == 2
-    assert "world_size=4 needs a sharding, 'ddp' or 'fsdp2' (--sharding" in capsys.readouterr().err
+    assert "--world-size sizes one rank of a job: add --sharding" in capsys.readouterr().err
+    assert main(["fit", "mlp", "--device-memory", "48MiB", "--sharding", "fsdp2"]) == 2
+    err = capsys.readouterr().err
+    assert "--sharding fsdp2 needs --world-size N" in err and len(err.splitlines()) == 1
 
 
 if __name__ == "__main__":

@@ -169,7 +169,9 @@ def nested_blocks() -> nn.Sequential:
     return nn.Sequential(*(nn.Sequential(part(), part()) for _ in range(2)))
 
 
-def chosen_items(prof: autoremat.Profile, entries: list[str], selective: list[str]) -> list:
+def chosen_items(
+    prof: autoremat.costs.profile.Profile, entries: list[str], selective: list[str]
+) -> list:
     """The planning items of ``entries`` (their selective way for those in ``selective``)."""
     from autoremat.planning.planning_tree import planning_tree
 

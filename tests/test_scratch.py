@@ -1,5 +1,5 @@
 """What the CPU allocator sees beyond the tensors: kernels' scratch, and what checkpoints keep
-(RNG states, buffer copies). On a CPU ``plan_for_device`` and ``fit`` run each plan's step
+(RNG states, buffer copies). On a CPU ``plan(device_memory=...)`` and ``fit`` run each plan's step
 counted by the allocator (:mod:`autoremat.planning.rehearsal`), checked against its peak."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.planning.rehearsal import rehearsal_for
 from autoremat.record.memory import CpuAllocatorMemory
 from autoremat.record.step import train_step
+from autoremat.training.scale_batch import scale_batch
 from autoremat.training.step_memory import buffer_copies
 
 
@@ -25,7 +26,7 @@ def _cnn(batch: int = 4) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     """The built-in VGG-style CNN (BatchNorm, dropout) at a small batch: its convolutions'
     backward takes scratch buffers no op returns."""
     model, args, kwargs = EXAMPLES["cnn"]()
-    args, kwargs = autoremat.scale_batch(args, kwargs, batch)
+    args, kwargs = scale_batch(args, kwargs, batch)
     return model, args, kwargs
 
 
@@ -90,12 +91,12 @@ def test_a_checkpointed_batchnorm_keeps_its_statistics_copy_which_the_bound_cove
 
 def test_a_plan_for_a_cpu_fits_by_the_allocators_peak_where_the_tracker_would_not() -> None:
     model, args, kwargs = _cnn()
-    plain = autoremat.measure_training(model, args, kwargs, optimizer="sgd")
+    plain = autoremat.measure_memory(model, args, kwargs, optimizer="sgd")
     assert plain.allocated is not None and plain.allocated > plain.tensors
     device = int(0.8 * plain.allocated)
-    plan = autoremat.plan_for_device(model, args, kwargs, device_memory=device, optimizer="sgd")
+    plan = autoremat.plan(model, args, kwargs, device_memory=device, optimizer="sgd")
     wrapped = plan.apply(copy.deepcopy(model))
-    measured = autoremat.measure_training(wrapped, args, kwargs, optimizer="sgd")
+    measured = autoremat.measure_memory(wrapped, args, kwargs, optimizer="sgd")
     _recomputed(wrapped, args, kwargs, plan.modules)
     assert measured.allocated is not None and measured.allocated <= device
 
@@ -107,7 +108,7 @@ def test_fit_on_a_cpu_finds_the_batch_the_allocator_fits_and_the_next_size_up_it
     size up does not, even with the most recompute."""
     model, args, kwargs = _cnn()
     state = copy.deepcopy(model.state_dict())
-    make = lambda b: autoremat.scale_batch(args, kwargs, b)  # noqa: E731
+    make = lambda b: scale_batch(args, kwargs, b)  # noqa: E731
     found = autoremat.fit(model, make, device_memory="40MiB", optimizer="sgd")
     assert found.measured is not None and found.measured.allocated is not None
     assert found.fits and found.seen == found.measured.allocated <= found.device.limit
@@ -119,9 +120,9 @@ def test_fit_on_a_cpu_finds_the_batch_the_allocator_fits_and_the_next_size_up_it
     least = profile_lowest(prof, rehearsal=by_allocator)
     lowest = plan_from_profile(model, prof, least, rehearsal=by_allocator)
     up = lowest.apply(copy.deepcopy(model))
-    measured = autoremat.measure_training(up, up_args, up_kwargs, optimizer="sgd")
+    measured = autoremat.measure_memory(up, up_args, up_kwargs, optimizer="sgd")
     assert measured.allocated is not None and measured.allocated > found.device.limit
-    assert not autoremat.wrapped_paths(model)
+    assert not autoremat.wrap.wrapped_paths(model)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
@@ -130,10 +131,10 @@ def test_inside_a_profiler_of_the_callers_training_is_measured_and_planned_by_te
     tensors are measured (``allocated`` is ``None``) and planned by, nothing raised."""
     model, args, kwargs = _cnn(2)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        inside = autoremat.measure_training(model, args, kwargs, optimizer="sgd")
+        inside = autoremat.measure_memory(model, args, kwargs, optimizer="sgd")
         device = int(0.8 * inside.tensors)
-        plan = autoremat.plan_for_device(model, args, kwargs, device_memory=device)
-    alone = autoremat.measure_training(model, args, kwargs, optimizer="sgd")
+        plan = autoremat.plan(model, args, kwargs, device_memory=device)
+    alone = autoremat.measure_memory(model, args, kwargs, optimizer="sgd")
     assert inside.allocated is None and alone.allocated is not None
     assert inside.tensors == alone.tensors
     assert plan.modules  # (planned by tensors there)

@@ -221,7 +221,7 @@ def test_running_plans_leaves_the_model_and_the_generators_as_found() -> None:
         Rehearsal(prof.step, way).peak(PlanFields(("features.0", "features.1")))
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng) and random.getstate() == host
-    assert not autoremat.wrapped_paths(model)
+    assert not autoremat.wrap.wrapped_paths(model)
 
 
 # --------------------------------------------------------------------------------------------

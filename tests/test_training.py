@@ -202,7 +202,7 @@ def test_autocast_on_a_hugging_face_llama_is_bitwise_identical():
     kwargs = {"input_ids": ids, "labels": ids}
     with _bf16():
         autoremat.plan(model, (), kwargs, budget="50%").apply(model)
-    assert autoremat.wrapped_paths(model)
+    assert autoremat.wrap.wrapped_paths(model)
     dtypes: list[torch.dtype] = []
     model.model.layers[0].mlp.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
 

@@ -30,7 +30,7 @@ def test_training_step_identical_on_every_example(example, segments):
     plan = autoremat.plan(model, args, kwargs, segments=segments)
     assert plan.modules
     plan.apply(model)
-    assert set(autoremat.wrapped_paths(model)) == set(plan.modules)
+    assert set(autoremat.wrap.wrapped_paths(model)) == set(plan.modules)
     assert_same_step(reference, model, args, kwargs)
     # a second step too: nothing left over from the first one (buffers moved once each time)
     assert_same_step(reference, model, args, kwargs)
@@ -107,7 +107,7 @@ def test_remove_gives_back_the_original_modules():
     plan = autoremat.plan(model, args, kwargs, segments=3)
     assert autoremat.remove(plan.apply(model)) is model
     assert [(n, m, type(m)) for n, m in model.named_modules()] == before
-    assert autoremat.wrapped_paths(model) == ()
+    assert autoremat.wrap.wrapped_paths(model) == ()
     assert "_autoremat_path" not in model.h[0].__dict__
     assert autoremat.remove(model) is model  # never-applied (again): a no-op
 
@@ -122,7 +122,7 @@ def test_apply_twice_is_a_no_op_and_another_plan_is_refused():
     other = autoremat.plan(reference, args, kwargs, segments=0)
     with pytest.raises(ValueError, match="remove"):
         other.apply(model)
-    assert set(autoremat.wrapped_paths(model)) == set(blocks.modules)
+    assert set(autoremat.wrap.wrapped_paths(model)) == set(blocks.modules)
     assert_same_step(reference, model, args, kwargs)
 
 
@@ -134,7 +134,7 @@ def test_apply_refuses_unknown_and_nested_paths_and_changes_nothing():
         wrap.apply(model, ["0", "0.0"])
     with pytest.raises(ValueError, match="inside"):
         wrap.apply(model, ["", "1"])
-    assert autoremat.wrapped_paths(model) == ()
+    assert autoremat.wrap.wrapped_paths(model) == ()
 
 
 class Keywords(nn.Module):
@@ -320,7 +320,7 @@ def test_runs_of_sequential_children_are_recomputed_as_one():
     keys = list(model.state_dict())
     x = (torch.randn(32, 8),)
     wrap.apply(model, ["1[0:4]", "[2:3]"])
-    assert set(autoremat.wrapped_paths(model)) == {"1[0:4]", "[2:3]"}
+    assert set(autoremat.wrap.wrapped_paths(model)) == {"1[0:4]", "[2:3]"}
     assert isinstance(model[1], CheckpointedRuns) and isinstance(model, nn.Sequential)
     assert list(model.state_dict()) == keys
     assert_same_step(reference, model, x, {})
@@ -340,4 +340,4 @@ def test_bad_runs_are_refused():
         wrap.apply(model, ["[0:2]", "[1:3]"])
     with pytest.raises(ValueError, match="does not have"):
         wrap.apply(model, ["nope[0:2]"])
-    assert autoremat.wrapped_paths(model) == ()
+    assert autoremat.wrap.wrapped_paths(model) == ()

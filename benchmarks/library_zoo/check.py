@@ -35,6 +35,7 @@ from autoremat.core import huggingface
 from autoremat.core.own_checkpointing import switched_off, switched_on
 from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.record.step import default_loss
+from autoremat.training.scale_batch import scale_batch
 from library_zoo import ZooModel, own_checkpointing_on
 from library_zoo.state import changes, probe, state_of
 
@@ -194,7 +195,7 @@ def _check_plan(
         own = len(switched_on(applied))
         chosen.apply(applied)
         off_while_applied = not switched_on(applied)
-        entries = autoremat.wrapped_paths(applied)
+        entries = autoremat.wrap.wrapped_paths(applied)
         with torch.random.fork_rng(devices=[]), RecomputeCounter() as seen:
             got = trajectory(applied, args, kwargs, precision)
         result.recomputed = not seen.missing(entries)
@@ -280,8 +281,8 @@ class CallsCheck:
 
 def _fit(model: nn.Module, args: Any, kwargs: Any, row: ZooRow) -> str:
     """``fit`` at twice the example batch's no-recompute training memory: the batch found."""
-    need = autoremat.predict_training(model, args, kwargs, optimizer="sgd").device
-    make = lambda b: autoremat.scale_batch(args, kwargs, b)  # noqa: E731
+    need = autoremat.predict_memory(model, args, kwargs, optimizer="sgd").device
+    make = lambda b: scale_batch(args, kwargs, b)  # noqa: E731
     found = autoremat.fit(model, make, device_memory=2 * need, optimizer="sgd", max_batch=64,
                           verify=False)
     return f"batch {found.batch} ({len(found.plan.modules)} entries)"

@@ -14,6 +14,7 @@ from autoremat.core.sizes import BUDGET_FORMS, format_size, parse_budget, percen
 from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.planning.strategies.levels import DEFAULT_SEGMENTS
 from autoremat.record.step import LossFn
+from autoremat.training.sharding import Sharding
 
 __all__ = [
     "AUTOCAST",
@@ -24,6 +25,7 @@ __all__ = [
     "joined_values",
     "loss_from_output",
     "parse_budget_arg",
+    "sharding_arg",
 ]
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --autocast's values
@@ -96,10 +98,31 @@ def check_segments(segments: int | None) -> None:
         )
 
 
+def sharding_arg(
+    sharding: str | None, world_size: int | None, units: str | None
+) -> Sharding | None:
+    """The :class:`~autoremat.Sharding` ``--sharding``, ``--world-size`` and ``--fsdp-units``
+    name; ``None`` for one device. Each needs the others it depends on, said in one line."""
+    if sharding is None:
+        if world_size not in (None, 1) or units is not None:
+            given = "--world-size" if units is None else "--fsdp-units"
+            raise CliError(f"{given} sizes one rank of a job: add --sharding ddp or fsdp2")
+        return None
+    if world_size is None:
+        raise CliError(
+            f"--sharding {sharding} needs --world-size N, the number of ranks: it decides "
+            f"what each rank holds"
+        )
+    if units is not None and sharding != "fsdp2":
+        raise CliError("--fsdp-units are FSDP2's: use --sharding fsdp2, or drop them")
+    paths = None if units is None else tuple(u for u in units.split(",") if u)
+    return Sharding(sharding, world_size, paths)
+
+
 def loss_from_output(where: str | None) -> LossFn | None:
     """The loss function ``--loss WHERE`` names (:data:`LOSS_HELP`); ``None`` for the default
-    (:func:`autoremat.default_loss`). The loss found must be a tensor: the training step then
-    checks that it is a scalar that requires grad."""
+    (:func:`~autoremat.record.step.default_loss`). The loss found must be a tensor: the training
+    step then checks that it is a scalar that requires grad."""
     if where is None:
         return None
 

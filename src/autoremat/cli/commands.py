@@ -3,7 +3,8 @@ and try a plan out on an example.
 
 Subcommands: tree, plan, demo, bench, fit and examples; ``autoremat --help`` describes them
 (:mod:`autoremat.cli.parser`). Every error is one line, ``autoremat: error: ...``, with exit
-status 2; warnings go to stderr as ``autoremat: ...``.
+status 2 (a step that does not fit the device memory shows its memory breakdown under it, one
+part a line); warnings go to stderr as ``autoremat: ...``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from autoremat.cli.arguments import (
     joined_values,
     loss_from_output,
     parse_budget_arg,
+    sharding_arg,
 )
 from autoremat.cli.demo import demo
 from autoremat.cli.parser import VALUE_OPTIONS, parser
@@ -33,13 +35,13 @@ from autoremat.comparison.harness import bench_target
 from autoremat.comparison.report import to_markdown
 from autoremat.core.sizes import format_size
 from autoremat.examples import EXAMPLES
-from autoremat.planning.plan import plan
 from autoremat.planning.plans import Plan
 from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.record.measure import measure
 from autoremat.record.step import LossFn
 from autoremat.record.tree import build_tree
 from autoremat.training.fit import fit
+from autoremat.training.plan import plan
 from autoremat.training.scale_batch import batch_size_of, scale_batch
 
 __all__ = ["main"]
@@ -102,6 +104,7 @@ def _fit_command(ns: argparse.Namespace) -> int:
             f"--device-memory {ns.device_memory} is not understood: give a size (24GiB, 800MB), "
             f"whole bytes, or a percentage of the device's memory (90%)"
         ) from None
+    sharding = sharding_arg(ns.sharding, ns.world_size, ns.fsdp_units)
     loss_fn = loss_from_output(ns.loss)
     model, args, kwargs = load_target(ns.target)
     if ns.device is not None:
@@ -117,9 +120,7 @@ def _fit_command(ns: argparse.Namespace) -> int:
         verify=not ns.no_verify,
         reserve=int(ns.reserve) if ns.reserve.isdigit() else ns.reserve,
         autocast=AUTOCAST.get(ns.autocast or ""),
-        world_size=ns.world_size,
-        sharding=ns.sharding,
-        fsdp_units=None if ns.fsdp_units is None else ns.fsdp_units.split(","),
+        sharding=sharding,
     )
     example = batch_size_of(args, kwargs, ns.batch_dim)
     print(f"{ns.target} (example batch {example} along dimension {ns.batch_dim}, ", end="")
@@ -172,15 +173,26 @@ def _warnings_to_stderr() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``autoremat`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit
-    status: 0, 2 after an error (printed as one line), 1 when the demo finds a step that
-    differs or ``fit``'s batch does not fit when run."""
+    status: 0, 2 after an error (printed as one line, :func:`_error_text`), 1 when the demo
+    finds a step that differs or ``fit``'s batch does not fit when run."""
     _warnings_to_stderr()
     tokens = sys.argv[1:] if argv is None else argv
     try:
         return _run(parser().parse_args(joined_values(tokens, VALUE_OPTIONS)))
     except (ValueError, TypeError, RuntimeError) as exc:
-        print(f"autoremat: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"autoremat: error: {_error_text(exc)}", file=sys.stderr)
         return 2
+
+
+def _error_text(exc: Exception) -> str:
+    """The error on one line; but a :class:`BudgetTooLow`'s memory breakdown (its indented
+    lines, as :class:`~autoremat.training.step_memory.StepMemory` writes them) keeps a line
+    per part, and the advice after it its own line."""
+    text = str(exc)
+    if not isinstance(exc, BudgetTooLow) or "\n  " not in text:
+        return " ".join(text.split())
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    return "\n".join(line if line.startswith("  ") else " ".join(line.split()) for line in lines)
 
 
 if __name__ == "__main__":  # pragma: no cover

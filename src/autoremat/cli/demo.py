@@ -22,10 +22,11 @@ from autoremat.comparison.harness import compare
 from autoremat.comparison.row import Row
 from autoremat.core.sizes import format_size
 from autoremat.costs.profile import profile
-from autoremat.planning.plan import plan, plan_from_profile
+from autoremat.planning.plan import plan_from_profile
 from autoremat.planning.plans import Plan
 from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.record.step import LossFn
+from autoremat.training.plan import plan
 
 __all__ = ["DEFAULT_ROUNDS", "demo"]
 

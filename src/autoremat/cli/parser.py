@@ -220,15 +220,16 @@ def _add_ranks(p_fit: argparse.ArgumentParser) -> None:
     p_fit.add_argument(
         "--world-size",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
-        help="size one rank of an N-rank job (needs --sharding; --device-memory is one rank's)",
+        help="size one rank of an N-rank job (with --sharding; --device-memory is one rank's)",
     )
     p_fit.add_argument(
         "--sharding",
         choices=SHARDINGS,
         default=None,
-        help="how the ranks share the model: ddp, or fsdp2 (fully_shard per block and the root)",
+        help="how the ranks share the model: ddp, or fsdp2 (fully_shard per block and the "
+        "root); needs --world-size",
     )
     p_fit.add_argument(
         "--fsdp-units",

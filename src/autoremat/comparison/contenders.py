@@ -19,10 +19,10 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from autoremat.comparison.applied import BASELINE, Applied, Args, Contender, Kwargs, MiB
 from autoremat.core import huggingface
-from autoremat.planning.plan import lowest_budget, plan
-from autoremat.planning.plan_for_compile import plan_for_compile
+from autoremat.planning.plan import lowest_budget
 from autoremat.planning.plans import Plan
 from autoremat.record.tree import build_tree, find_blocks
+from autoremat.training.plan import plan
 from autoremat.wrap.wrapping import apply as wrap_apply
 
 __all__ = [
@@ -132,7 +132,7 @@ def budget_plan(
     """:func:`autoremat.plan` with ``budget=target`` (a fraction of the peak without
     recompute), ``selective`` and ``objective``, applied; ``target="min"`` plans at the lowest
     budget the planner meets (:func:`autoremat.lowest_budget`). With ``compile_backend``, the
-    plan is checked under ``torch.compile`` (:func:`autoremat.plan_for_compile`). The row is
+    plan is checked under ``torch.compile`` (``autoremat.plan(..., compile=...)``). The row is
     named ``budget 50%`` (``budget min``), with `` (module)`` appended for ``selective=False``
     (module-level recompute only), `` (flops)`` for ``objective="flops"`` and
     `` (compile-checked)`` with ``compile_backend``. Its :class:`Applied` carries the plan and
@@ -144,17 +144,9 @@ def budget_plan(
         if target == "min":
             spec = lowest_budget(model, args, kwargs, selective=selective)
         options: dict[str, Any] = {"budget": spec, "selective": selective, "objective": objective}
-        if compile_backend is None:
-            chosen = plan(model, args, kwargs, **options)
-        else:
-            chosen = plan_for_compile(
-                model,
-                args,
-                kwargs,
-                backend=compile_backend,
-                inductor_config={"fallback_random": True},  # as compiled() compiles
-                **options,
-            )
+        if compile_backend is not None:  # (fallback_random: as compiled() compiles)
+            options.update(compile=compile_backend, inductor_config={"fallback_random": True})
+        chosen = plan(model, args, kwargs, **options)
         applied = chosen.apply(model)
         assert chosen.estimated_peak is not None and chosen.budget is not None
         note = (

@@ -18,10 +18,10 @@ class Row:
 
     Attributes:
         peak: bytes alive at most during the step, above what existed before it
-            (:class:`autoremat.Measurement`; for compiled models, and for every row of a
-            ``compare(memory="allocator")``, as the allocator reports them).
+            (:class:`~autoremat.record.measure.Measurement`; for compiled models, and for every row
+            of a ``compare(memory="allocator")``, as the allocator reports them).
         saved: bytes created by the forward and still alive before backward
-            (:class:`autoremat.Measurement`, measured as ``peak``).
+            (:class:`~autoremat.record.measure.Measurement`, measured as ``peak``).
         autograd_saved: bytes of the distinct storages kept from the forward for backward:
             autograd's saved tensors plus selective checkpointing's cache
             (:func:`autoremat.comparison.saved_by_autograd`); the basis on which eager and

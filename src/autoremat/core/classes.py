@@ -21,18 +21,11 @@ from __future__ import annotations
 
 import copy
 import copyreg
+import sys
 import types
 from typing import Any
 
 from torch import nn
-
-_FSDP_MODULE: type | None
-try:
-    from torch.distributed.fsdp import FSDPModule
-
-    _FSDP_MODULE = FSDPModule
-except ImportError:  # torch built without distributed support
-    _FSDP_MODULE = None
 
 __all__ = [
     "ATTR_PREFIX",
@@ -72,13 +65,21 @@ def own_class(module: nn.Module) -> type:
     """The module's class before autoremat or FSDP2 (``fully_shard``) swapped it for a
     subclass of their own (``CheckpointedBlock``, ``FSDPBlock``, in any order)."""
     cls = type(module)
+    fsdp = _fsdp_module()
     while True:
         if BASE_ATTR in cls.__dict__:
             cls = cls.__dict__[BASE_ATTR]
-        elif _FSDP_MODULE is not None and _FSDP_MODULE in cls.__bases__ and len(cls.__bases__) == 2:
-            cls = next(b for b in cls.__bases__ if b is not _FSDP_MODULE)
+        elif fsdp is not None and fsdp in cls.__bases__ and len(cls.__bases__) == 2:
+            cls = next(b for b in cls.__bases__ if b is not fsdp)
         else:
             return cls
+
+
+def _fsdp_module() -> type | None:
+    """FSDP2's ``FSDPModule``, or ``None`` while ``torch.distributed.fsdp`` is not imported (no
+    module can be FSDP2's before it is; importing it here would cost every user 0.7 s)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return getattr(fsdp, "FSDPModule", None)
 
 
 def is_wrapped(module: nn.Module) -> bool:

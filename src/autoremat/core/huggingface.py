@@ -3,8 +3,9 @@
 A module with a ``config.use_cache`` and a ``use_cache`` argument (a Hugging Face model) fills a
 key/value cache in its forward. A recompute would fill it a second time, so once a model is
 wrapped its Hugging Face modules are called with ``use_cache=False`` while training with
-gradients, as Hugging Face's own gradient checkpointing does (one warning per class on the
-``autoremat`` logger); inference keeps its cache. The profile records the same cache-less step
+gradients, as Hugging Face's own gradient checkpointing does (one warning on the ``autoremat``
+logger, naming the outermost Hugging Face class: a ``...ForCausalLM`` and the base model inside
+it give one note); inference keeps its cache. The profile records the same cache-less step
 (:func:`cache_off_in_training`).
 
 On the ``meta`` device the cache-less path of their mask code asks whether the position ids
@@ -50,20 +51,25 @@ class _CacheOff(Hook):
     :func:`turn_cache_off_in_training` (and removed by :func:`remove_cache_hooks`), not for
     the time of :func:`cache_off_in_training`."""
 
-    __slots__ = ("index", "lasting", "warn", "without_grad")
+    __slots__ = ("index", "lasting", "note", "warn", "without_grad")
 
-    def __init__(self, index: int, *, warn: bool, lasting: bool, without_grad: bool = False):
+    def __init__(self, index: int, *, warn: bool, lasting: bool, without_grad: bool = False,
+                 note: str = ""):  # fmt: skip
         self.index = index
         self.warn = warn
         self.lasting = lasting
         self.without_grad = without_grad
+        self.note = note  # the class the warning names ("": the hooked module's)
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        return _no_cache_pre_hook(
-            module, args, kwargs, index=self.index, warn=self.warn, without_grad=self.without_grad
+        found = _no_cache_pre_hook(
+            module, args, kwargs, index=self.index, without_grad=self.without_grad
         )
+        if found is not None and self.warn and not torch.compiler.is_compiling():
+            _warn_once(self.note or type(module).__name__)
+        return found
 
 
 def _lasting_hooks(m: nn.Module) -> list[int]:
@@ -106,19 +112,32 @@ def _has_cache_config(m: nn.Module) -> bool:
 
 def turn_cache_off_in_training(model: nn.Module, warn: bool = True) -> None:
     """Register a pre-hook on each Hugging Face-style model inside ``model`` that turns the
-    cache off while training with gradients (with ``warn``, one warning per class on the
-    ``autoremat`` logger). :func:`remove_cache_hooks` takes the hooks off. A module that has
-    the hook already (also one deep-copied from a hooked module) gets no second one.
+    cache off while training with gradients (with ``warn``, one warning per outermost such
+    model, by its class, on the ``autoremat`` logger: the hooks of ``GPT2LMHeadModel`` and
+    of the ``GPT2Model`` inside it give one note). :func:`remove_cache_hooks` takes the hooks
+    off. A module that has the hook already (also one deep-copied from a hooked module) gets
+    no second one.
 
     A hooked module pickles without the hook (``pickle``, ``torch.save``: the plain model) and
     deep-copies with it (:func:`autoremat.core.classes.pickle_as_plain`)."""
-    for m in model.modules():
+    outermost: list[tuple[str, str]] = []  # (path, class) of the hooked modules no other holds
+    for path, m in model.named_modules():
         index = _use_cache_index(m)
-        if index is None or _lasting_hooks(m):
+        if index is None:
             continue
-        hook = _CacheOff(index, warn=warn, lasting=True)
+        note = next((cls for top, cls in outermost if _inside(path, top)), None)
+        if note is None:
+            note = type(m).__name__
+            outermost.append((path, note))
+        if _lasting_hooks(m):
+            continue
+        hook = _CacheOff(index, warn=warn, lasting=True, note=note)
         m.register_forward_pre_hook(hook, with_kwargs=True)
         pickle_as_plain(m)
+
+
+def _inside(path: str, top: str) -> bool:
+    return top == "" or path == top or path.startswith(top + ".")
 
 
 def remove_cache_hooks(model: nn.Module) -> None:
@@ -221,7 +240,6 @@ def _no_cache_pre_hook(
     kwargs: dict[str, Any],
     *,
     index: int,
-    warn: bool = True,
     without_grad: bool = False,
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     if not (module.training and (without_grad or torch.is_grad_enabled())):
@@ -234,8 +252,6 @@ def _no_cache_pre_hook(
         return None
     else:
         kwargs = {**kwargs, "use_cache": False}
-    if warn and not torch.compiler.is_compiling():
-        _warn_once(type(module).__name__)
     return args, kwargs
 
 
@@ -244,8 +260,9 @@ _warned: set[str] = set()
 
 def _warn_once(name: str) -> None:
     """Log the ``use_cache`` warning once per class (not from code dynamo traces: it would
-    trace the logging call)."""
-    if name in _warned:
+    trace the logging call). Not counted as given while the logger is quieted (a plan's
+    rehearsal on a shadow of the model): the user's own step still gets it."""
+    if name in _warned or not logger.isEnabledFor(logging.WARNING):
         return
     _warned.add(name)
     logger.warning(

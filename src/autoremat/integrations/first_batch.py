@@ -37,8 +37,8 @@ from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.record.shadow import meta_shadow
 from autoremat.record.snapshot import fsdp_classes
 from autoremat.record.step import LossFn
+from autoremat.training.device_plan import device_plan
 from autoremat.training.optimizer_memory import OptimizerLike
-from autoremat.training.plan_for_device import plan_for_device
 
 __all__ = ["FirstBatchPlanner", "sharded_paths"]
 
@@ -49,8 +49,8 @@ logger = logging.getLogger(__name__)
 class FirstBatchPlanner:
     """What to plan (``budget``: a step-peak budget as :func:`autoremat.plan` takes it; or
     ``device_memory``: the whole step, optimizer included, as
-    :func:`autoremat.plan_for_device` takes it, a size such as ``"20GiB"``), and the plan
-    once made (``plan``)."""
+    ``autoremat.plan(..., device_memory=...)`` takes it, a size such as ``"20GiB"``), and the
+    plan once made (``plan``)."""
 
     budget: int | float | str | None = None
     device_memory: int | str | None = None
@@ -119,15 +119,16 @@ class FirstBatchPlanner:
             raise
         except Exception as exc:  # (data-dependent ops, a meta kernel missing)
             why = str(exc).splitlines()[0][:200]
-            logger.warning("autoremat: %s cannot be planned on meta (%s): profiling the step "
-                           "for real", type(model).__name__, why)  # fmt: skip
-            return self._planned(model, model, args, kwargs)
+        logger.warning("autoremat: %s cannot be planned on meta (%s): profiling the step "
+                       "for real", type(model).__name__, why)  # fmt: skip
+        # (outside the except: an error planning for real is not shown inside the meta one's)
+        return self._planned(model, model, args, kwargs)
 
     def _planned(self, model: nn.Module, profiled: nn.Module, args: Any, kwargs: Any) -> Plan:
         how = {"selective": self.selective, "objective": self.objective}
         if self.device_memory is not None:
-            return plan_for_device(profiled, args, kwargs, device_memory=self.device_memory,
-                                   optimizer=self.optimizer, loss_fn=self.loss_fn, **how)  # type: ignore[arg-type]  # fmt: skip
+            return device_plan(profiled, args, kwargs, device_memory=self.device_memory,
+                               optimizer=self.optimizer, loss_fn=self.loss_fn, **how)  # type: ignore[arg-type]  # fmt: skip
         prof = profile(profiled, args, kwargs, loss_fn=self.loss_fn)
         rehearsal = rehearsal_for(prof, model_device(model))  # (counted as on the device)
         return plan_from_profile(model, prof, self.budget, rehearsal=rehearsal, **how)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ nothing), then prints what it chose on the main process. It composes with the Tr
   ``on_train_begin`` and says which to turn off (autoremat's plan replaces it);
 * ``torch_compile=True`` is refused: the Trainer compiles before the first batch, and a plan
   applied after would not be in the compiled graph (plan first with
-  :func:`autoremat.plan_for_compile`, then hand the Trainer the compiled model);
+  ``autoremat.plan(..., compile=...)``, then hand the Trainer the compiled model);
 * saving (``save_model``, ``save_pretrained``, checkpoints) writes the original architecture:
   a wrapped module keeps its class's name and its state dict's keys, and at ``on_train_end``
   the plan is removed (``remove=True``, the default) so the model handed back is the user's.
@@ -36,7 +36,7 @@ class AutoRematCallback(TrainerCallback):
     """Plan the model's recompute on the first training batch and apply it before the first
     step (module docstring). ``budget``: the step's peak, as :func:`autoremat.plan` takes it
     (``"20GiB"``, ``"50%"``, ``0.5``); or ``device_memory``: the whole training step on the
-    device, optimizer state included (a size: :func:`autoremat.plan_for_device`, the
+    device, optimizer state included (a size: ``autoremat.plan(..., device_memory=...)``, the
     Trainer's optimizer priced). ``remove``: take the plan off when training ends.
 
     Raises:
@@ -78,7 +78,7 @@ class AutoRematCallback(TrainerCallback):
             raise ValueError(
                 "AutoRematCallback cannot change a model the Trainer compiles "
                 "(TrainingArguments(torch_compile=True)) before its first batch: plan first "
-                "(autoremat.plan_for_compile), apply the plan, and compile the model yourself"
+                "(autoremat.plan(..., compile=...)), apply the plan, and compile the model yourself"
             )
         optimizer = kwargs.get("optimizer")
         if optimizer is not None:

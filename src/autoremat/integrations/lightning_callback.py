@@ -5,8 +5,8 @@ step's forward (:class:`~autoremat.integrations.first_batch.FirstBatchPlanner`, 
 ``on_train_batch_start``): a forward pre-hook on the module that ``training_step`` calls (the
 ``LightningModule`` itself, ``self(x)``; or the submodule named by ``module``, such as
 ``"model"`` for ``self.model(x)``) profiles that call's step on a ``meta`` shadow, with the
-trainer referred to, not copied. The loss priced is :func:`autoremat.default_loss` of the
-call's output: what ``training_step`` computes after it is not seen (its activations are the
+trainer referred to, not copied. The loss priced is :func:`~autoremat.record.step.default_loss` of
+the call's output: what ``training_step`` computes after it is not seen (its activations are the
 call's). When the hooked module's forward did not run in the first ``training_step``, the
 callback says which ``module=`` to name. At ``on_train_end`` the plan is taken off (``remove``).
 
@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_map
 
 from autoremat.integrations.first_batch import FirstBatchPlanner, sharded_paths
 from autoremat.planning.plans import Plan
+from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.record.shadow import meta_shadow
 from autoremat.wrap.wrapping import remove
 
@@ -43,7 +44,7 @@ class AutoRematLightning(pl.Callback):
     """Plan the recompute of the module ``training_step`` calls on the first training batch,
     and apply it before that forward (module docstring). ``budget`` (the step's peak, as
     :func:`autoremat.plan` takes it) or ``device_memory`` (the whole step, a size:
-    :func:`autoremat.plan_for_device`); ``module``: the attribute path of the submodule
+    ``autoremat.plan(..., device_memory=...)``); ``module``: the attribute path of the submodule
     ``training_step`` calls (``""``: the ``LightningModule``).
 
     Raises:
@@ -67,6 +68,7 @@ class AutoRematLightning(pl.Callback):
         self._first = True  # the first training batch is yet to end
         self._target: Any = None  # the module planned
         self._unsharded: Any = None  # a meta shadow taken before the strategy shards
+        self._refused: BaseException | None = None  # the callback's own error about module=
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Before ``configure_model``: under a strategy that shards the module there
@@ -88,11 +90,12 @@ class AutoRematLightning(pl.Callback):
         try:
             target = pl_module.get_submodule(self.module) if self.module else pl_module
         except AttributeError:
-            raise ValueError(
+            self._refused = ValueError(
                 f"AutoRematLightning(module={self.module!r}): {type(pl_module).__name__} has no "
                 f"such submodule; name the one training_step calls (module='model' for "
                 f"self.model(x))"
-            ) from None
+            )
+            raise self._refused from None
         self.planner.shared = (trainer,)
         optimizers = getattr(trainer, "optimizers", None) or []
         if optimizers:
@@ -134,6 +137,15 @@ class AutoRematLightning(pl.Callback):
             )
         elif trainer.is_global_zero:
             print(f"autoremat: {self.planner.plan.summary()}")
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Before Lightning raises ``exception`` again: when it is this callback's answer to its
+        settings (a budget or device memory the step cannot reach with any plan, a ``module``
+        that names nothing), its traceback is dropped, so the user sees the message that says
+        what to change and not the training loop's frames it was raised under."""
+        ours = isinstance(exception, BudgetTooLow) and self._first and self.planner.plan is None
+        if ours or exception is self._refused:
+            exception.with_traceback(None)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.planner.detach()

@@ -1,11 +1,12 @@
-"""Making a plan: :func:`plan` checks what it was asked, runs the model once for what the
+"""Making a plan of the activations: :func:`activation_plan` checks what it was asked (a
+budget of the step's activation peak, or the levels' count), runs the model once for what the
 chosen strategy needs, and lets the strategy choose; :func:`lowest_budget` says the least a
-budget may be."""
+budget may be. :func:`autoremat.plan` (:mod:`autoremat.training.plan`) calls it for a budget
+or segments."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,14 +26,12 @@ from autoremat.record.tree import Node, build_tree
 
 __all__ = [
     "STRATEGIES",
+    "activation_plan",
     "lowest_budget",
-    "plan",
     "plan_from_profile",
     "planned",
     "profile_lowest",
 ]
-
-logger = logging.getLogger(__name__)
 
 # plan() keyword -> strategy (one line per strategy)
 STRATEGIES: dict[str, Strategy] = {
@@ -40,7 +39,7 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
-def plan(
+def activation_plan(
     model: nn.Module,
     args: tuple[Any, ...] | Any = (),
     kwargs: dict[str, Any] | None = None,
@@ -76,7 +75,7 @@ def plan(
     ``autocast`` (a dtype, or ``(device_type, dtype)``; or called inside an autocast region):
     the budget strategy profiles forward and loss under it (:func:`autoremat.profile`). Both
     run the model on the example inputs and leave it as they found it; what the strategy has
-    to say (:attr:`Plan.warnings`) is logged.
+    to say is in :attr:`Plan.warnings` (:func:`autoremat.plan` logs it).
 
     Raises:
         ValueError: ``segments`` negative; both ``segments`` and ``budget``; a malformed or
@@ -92,7 +91,7 @@ def plan(
     request = Request(name, segments, budget, loss_fn, selective, objective, autocast)
     strategy, request = _strategy_for(request)
     evidence, tree = _evidence(strategy, model, args, kwargs, request)
-    return _logged(_made(model, strategy.name, tree, strategy.choose(evidence, request)))
+    return _made(model, strategy.name, tree, strategy.choose(evidence, request))
 
 
 def _made(model: nn.Module, strategy: str, tree: Node | None, fields: dict[str, Any]) -> Plan:
@@ -105,13 +104,6 @@ def _made(model: nn.Module, strategy: str, tree: Node | None, fields: dict[str, 
         tree=tree,
         **fields,
     )
-
-
-def _logged(made: Plan) -> Plan:
-    """``made``, its warnings logged (one record each)."""
-    for text in made.warnings.values():
-        logger.warning("%s", text)
-    return made
 
 
 def _strategy_for(request: Request) -> tuple[Strategy, Request]:
@@ -164,14 +156,13 @@ def plan_from_profile(
     objective: str = "time",
     rehearsal: Rehearsal | None = None,
 ) -> Plan:
-    """The budget plan :func:`plan` would make for ``model`` from ``prof``, a profile of it
-    (or of a copy of it of the same structure, such as one on ``meta``): the model is not run
-    again (plans are run on a shadow of the profiled step, or by ``rehearsal``:
-    :mod:`autoremat.planning.rehearsal`), and nothing is logged (the plan's ``warnings`` say
-    what :func:`plan` would log).
+    """The budget plan :func:`activation_plan` would make for ``model`` from ``prof``, a
+    profile of it (or of a copy of it of the same structure, such as one on ``meta``): the
+    model is not run again (plans are run on a shadow of the profiled step, or by ``rehearsal``:
+    :mod:`autoremat.planning.rehearsal`).
 
     Raises:
-        BudgetTooLow, ValueError: as :func:`plan`.
+        BudgetTooLow, ValueError: as :func:`activation_plan`.
     """
     request = Request(type(model).__name__, None, budget, None, selective, objective)
     request = budget_strategy.STRATEGY.check(dataclasses.replace(request, rehearsal=rehearsal))
@@ -223,14 +214,14 @@ def lowest_budget(
     objective: str = "time",
     autocast: Any = None,
 ) -> int:
-    """The lowest budget, in bytes, that :func:`plan` meets for this model and inputs: the
+    """The lowest budget, in bytes, that :func:`autoremat.plan` meets for this model and inputs: the
     lowest step peak among the plans the planner makes (each run: the walk's lowest plan,
     every block and every block's children recomputed), the same figure an infeasible
     budget's error states. A plan at it holds; a budget below it raises
     :class:`~autoremat.BudgetTooLow`. Profiles one training step; the model is left as found.
 
     Raises:
-        ValueError: no submodule ran, or ``objective`` is unknown; see :func:`plan`.
+        ValueError: no submodule ran, or ``objective`` is unknown; see :func:`activation_plan`.
     """
     request = Request(type(model).__name__, None, 1, loss_fn, selective, objective, autocast)
     request = budget_strategy.STRATEGY.check(request)

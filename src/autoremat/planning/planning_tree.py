@@ -40,8 +40,8 @@ def planning_tree(
     has other ways to be recomputed: selectively, in each way of
     :data:`autoremat.core.selective.WAYS` that differs (:attr:`Item.other_ways`). With
     ``objective="time"`` each way is priced by its measured time
-    (:class:`~autoremat.NodeCost` ``op_seconds`` and the profile's per-op overheads), so
-    cheap in FLOPs is not taken for free in time; with ``"flops"``, by FLOPs
+    (:class:`~autoremat.costs.profile.NodeCost` ``op_seconds`` and the profile's per-op overheads),
+    so cheap in FLOPs is not taken for free in time; with ``"flops"``, by FLOPs
     (:attr:`Item.cost`). The modules left out that would have freed memory are written to
     ``skipped`` (by module path), with the reason. ``rng_state``: the bytes of the RNG state
     a checkpoint keeps from its forward to the end of its backward, and its recompute once

@@ -47,7 +47,7 @@ class Plan:
     and seconds its recomputes add (seconds as profiled: the recomputed ops' time plus
     checkpoint's per-op overheads); its ``objective`` is what it minimised (``"time"`` or
     ``"flops"``). ``compiled_peak``: the allocator's peak measured under ``torch.compile``
-    (:func:`autoremat.plan_for_compile`), else ``None``. ``left_out`` maps each module the
+    (``autoremat.plan(..., compile=...)``), else ``None``. ``left_out`` maps each module the
     strategy would have considered but left out to the reason (it cannot be recomputed exactly
     or at all: Python state its forward changes, an input changed in place, TorchScript): for a
     budget plan those that would have freed memory, for a levels plan those the walk met; empty

@@ -51,8 +51,13 @@ Numbers are summed over devices; use the tracker on a model that lives on one de
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -305,6 +310,44 @@ class CudaMemory:
 
 _MARK = "autoremat.record.memory.mark:"
 
+# What kineto (the profiler's C++ library) writes to stderr as each session starts and stops:
+# ``USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start`` (and
+# ``profiler_stop``). Its ``USDT`` level is above ``ERROR``, the level torch sets it to, and
+# ``KINETO_LOG_LEVEL`` is read once, when the process first profiles, and would hide errors too.
+_KINETO_MARKER = b"USDT:"
+
+
+@contextlib.contextmanager
+def _without_kineto_markers() -> Iterator[None]:
+    """Run the block (starting or stopping this module's own profiler session, never the
+    caller's code) with file descriptor 2 sent to a temporary file, then put it back and write
+    to it what came there except kineto's session markers (:data:`_KINETO_MARKER`)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (AttributeError, OSError, ValueError):  # no stderr to redirect
+        saved = -1
+    if saved < 0:
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught if not line.startswith(_KINETO_MARKER)]
+            _write_all(2, b"".join(kept))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
+
 
 def cpu_allocator_countable(device: torch.device) -> bool:
     """Whether :class:`CpuAllocatorMemory` can count a step on ``device`` now: a CPU, and no
@@ -345,7 +388,8 @@ class CpuAllocatorMemory:
         self.current = self.peak = 0
         self.marks, self.highs, self._labels = {}, {}, []
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profile.__enter__()
+        with _without_kineto_markers():
+            self._profile.__enter__()
         return self
 
     def snapshot(self, label: str | None = None) -> None:
@@ -356,7 +400,8 @@ class CpuAllocatorMemory:
                 pass
 
     def __exit__(self, *exc: object) -> None:
-        self._profile.__exit__(*exc)
+        with _without_kineto_markers():
+            self._profile.__exit__(*exc)
         events = self._profile.profiler.kineto_results.events()
         changes = sorted(
             (e.start_ns(), e.nbytes())

@@ -102,7 +102,7 @@ def modules_kept(model: nn.Module) -> Iterator[None]:
     """Run the body, then put back every module of ``model`` as a structure: its class,
     attributes, hooks, submodule, parameter and buffer slots (the objects, not their values:
     for a body that changes values itself and puts them back, as real optimizer steps in
-    :func:`autoremat.measure_training`), also when the body raises.
+    :func:`autoremat.measure_memory`), also when the body raises.
 
     Raises:
         RestoreError: a module could not be put back (all the others were).

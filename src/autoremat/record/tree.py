@@ -66,8 +66,9 @@ class Node:
     input of it is changed in place after its call began); that concerns its boundary only.
     Both are ``None`` when nothing was seen (:mod:`autoremat.record.side_effects`).
 
-    In a profile's tree of calls (:attr:`autoremat.Profile.tree`) a node is one call of a module
-    instead: ``call`` is its index among the module's ``calls`` (``None`` when the module ran once),
+    In a profile's tree of calls (:attr:`~autoremat.costs.profile.Profile.tree`) a node is one call
+    of a module instead: ``call`` is its index among the module's ``calls`` (``None`` when the
+    module ran once),
     ``path`` the call's name (``path@k``, :func:`autoremat.core.entries.call_key`),
     ``inputs``/``outputs`` that call's, and its children the calls made while it ran.
     """

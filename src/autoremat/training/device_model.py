@@ -17,15 +17,16 @@ allocator take beyond them:
 These three are estimates, the same for every model (``DeviceModel`` takes others). On the CPU
 they are 0: what the allocator sees beyond the tensors, kernels' scratch above all (a
 convolution's backward: 15-25% of a conv net's fp32 peak, more than the tensors under bf16), is
-measured instead: :func:`autoremat.plan_for_device` and :func:`autoremat.fit` size from real
-steps profiled by the CPU allocator (``profile(memory="allocator")``).
+measured instead: ``autoremat.plan(..., device_memory=...)`` and :func:`autoremat.fit` size from
+real steps profiled by the CPU allocator (``profile(memory="allocator")``).
 :func:`autoremat.fit` checks its answer once on the device.
 
 One more the user decides, the **reserve**: bytes kept free for what the step's tensors are
 not (``fit(..., reserve="1GiB")``): another process, a loop that keeps the previous step's
 output alive through the next forward (``out = model(x)`` reassigned after it;
-:class:`autoremat.Fit` says how much that is). (The RNG states ``torch.utils.checkpoint``
-keeps per recomputed call are in a plan's step peak, its step run: on the CPU they are the
+:class:`~autoremat.training.fit.Fit` says how much that is). (The RNG states
+``torch.utils.checkpoint`` keeps per recomputed call are in a plan's step peak, its step run: on the
+CPU they are the
 device's memory, on CUDA host memory.)
 """
 

@@ -20,7 +20,7 @@ get there with the least slowdown?" without running the model at each candidate 
    (:meth:`Prober.settle`): the batch returned fits by the allocator's figure, the next size
    up does not;
 5. once, on the device: the plan applied, real optimizer steps at that batch
-   (:func:`autoremat.measure_training`; on a CPU by its allocator too), the model put back.
+   (:func:`autoremat.measure_memory`; on a CPU by its allocator too), the model put back.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ from autoremat.core.devices import model_device
 from autoremat.core.sizes import format_size
 from autoremat.planning.plan import plan_from_profile
 from autoremat.planning.plans import Plan
+from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.record.memory import cpu_allocator_countable
 from autoremat.record.shadow import meta_shadow
 from autoremat.record.step import Autocast, LossFn, StepHow, step_autocast
 from autoremat.training.device_model import DeviceModel, available_memory, device_model
-from autoremat.training.measure_training import TrainingMeasurement, measure_training
+from autoremat.training.measure_memory import MemoryMeasurement, measure_memory
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
 from autoremat.training.prober import (
     Candidate,
@@ -79,7 +80,7 @@ class Fit:
     device: DeviceModel
     candidates: tuple[Candidate, ...]
     largest_without_recompute: int
-    measured: TrainingMeasurement | None = None
+    measured: MemoryMeasurement | None = None
     objective: str = "batch"
     chosen: Candidate | None = field(default=None, repr=False)
     # why the check on the device did not run ("": it ran, or verify=False / meta)
@@ -154,19 +155,16 @@ def fit(
     selective: bool = True,
     verify: bool = True,
     reserve: int | str = 0,
-    world_size: int = 1,
-    sharding: str | Sharding | None = None,
-    fsdp_units: list[str] | tuple[str, ...] | None = None,
-    reshard_after_forward: bool = True,
+    sharding: Sharding | None = None,
 ) -> Fit:
     """The largest batch of ``model`` whose training step fits ``device_memory``, and the
     cheapest plan for it (module docstring).
 
     ``make_inputs(batch)`` returns ``(args, kwargs)`` for that batch size (for instance
-    ``lambda b: autoremat.scale_batch(args, kwargs, b)``); it is called under
-    ``torch.device("meta")`` for sizing, and once as it is for the check. ``device_memory``:
+    ``lambda b: scale_batch(args, kwargs, b)``, :mod:`autoremat.training.scale_batch`); it is called
+    under ``torch.device("meta")`` for sizing, and once as it is for the check. ``device_memory``:
     bytes, a size (``"24GiB"``) or a fraction (``"90%"``) of the model's device
-    (:mod:`autoremat.training.device_model`). ``optimizer`` as :func:`autoremat.predict_training`
+    (:mod:`autoremat.training.device_model`). ``optimizer`` as :func:`autoremat.predict_memory`
     takes it. ``autocast`` (``torch.bfloat16``: the model's device's, ``cuda``'s on ``meta``;
     or ``(device_type, dtype)``): forward and loss under ``torch.autocast``, on ``meta`` with
     its casts. ``objective``: ``"batch"`` (the largest) or ``"throughput"`` (of it and a few
@@ -174,18 +172,20 @@ def fit(
     applied, real steps run at that batch on the model's device and the model is put back
     (not on ``meta``; not beyond a CPU's available RAM: ``Fit.not_verified``). ``reserve``
     (bytes, a size): left free (:class:`Fit` says for what). Logs and shows progress; the
-    model must not be wrapped. Per rank (``world_size``, ``sharding``: see ``rank_prober``),
-    ``device_memory`` and the batch are one rank's, and not checked on a device.
+    model must not be wrapped. Per rank (``sharding``, a :class:`~autoremat.Sharding`: see
+    ``rank_prober``), ``device_memory`` and the batch are one rank's, and not checked on a device.
 
     Raises:
-        ValueError: even a batch of 1 does not fit (the message gives what it needs), an
-            unknown objective or optimizer, a malformed ``device_memory`` or ``reserve``.
+        BudgetTooLow: (a ValueError) even a batch of 1 does not fit with the most recompute
+            (the message gives what its step needs, one part a line).
+        ValueError: an unknown objective or optimizer, a malformed ``device_memory`` or
+            ``reserve``.
     """
     if objective not in FIT_OBJECTIVES:
         raise ValueError(f"objective must be one of {FIT_OBJECTIVES}, got {objective!r}")
     dm = device_model(device_memory, model_device(model), reserve)
     spec = step_autocast(autocast, model)
-    ranks = sharding_of(model, world_size, sharding, fsdp_units, reshard_after_forward)
+    ranks = sharding_of(model, sharding)
     prober = _prober(model, make_inputs, optimizer, dm, (loss_fn, spec), selective, ranks)
     prober, top, without = _sized(prober, max_batch, verify and ranks is None)
     candidates = [prober.candidate(b) for b in _ladder(without, top, objective)]
@@ -249,7 +249,7 @@ def _by_allocator(prober: Prober, top: int, verify: bool) -> bool:
 
 def _checked(model: nn.Module, make_inputs: Inputs, chosen: Candidate, plan: Plan,
              optimizer: OptimizerLike, how: StepHow, verify: bool,
-             ranks: Sharding | None = None) -> tuple[TrainingMeasurement | None, str]:  # fmt: skip
+             ranks: Sharding | None = None) -> tuple[MemoryMeasurement | None, str]:  # fmt: skip
     """The check on the device (:func:`_verify`) unless not asked, on ``meta`` (nothing runs
     there), per rank of ``ranks`` (not here) or beyond what a CPU machine has available (then
     why, :func:`_beyond_available`)."""
@@ -282,13 +282,16 @@ def _beyond_available(chosen: Candidate, device: torch.device) -> str:
     return why
 
 
-def _none_fits(prober: Prober, max_batch: int) -> ValueError:
+def _none_fits(prober: Prober, max_batch: int) -> BudgetTooLow:
     batch = prober.smallest_running(max_batch)
-    need, dm = prober.probe(batch).lowest, prober.dm
-    return ValueError(
+    probe = prober.probe(batch)
+    need, dm = probe.lowest, prober.dm
+    return BudgetTooLow(
         f"even a batch of {batch} does not fit {dm}: its training step needs "
         f"{format_size(need.device)} with the most recompute:\n{need}\nUse a device with "
-        f"more memory, a lower precision, or an optimizer with less state"
+        f"more memory, a lower precision, or an optimizer with less state",
+        need.step_peak,
+        probe.profile.peak,
     )
 
 
@@ -302,7 +305,7 @@ def _ladder(without: int, top: int, objective: str) -> list[int]:
 
 
 def _verify(model: nn.Module, make_inputs: Inputs, batch: int, plan: Plan,
-            optimizer: OptimizerLike, how: StepHow) -> TrainingMeasurement:  # fmt: skip
+            optimizer: OptimizerLike, how: StepHow) -> MemoryMeasurement:  # fmt: skip
     """Real training steps at ``batch`` with ``plan`` applied; the model is put back."""
     device = model_device(model)
     args, kwargs = tree_map(
@@ -311,7 +314,7 @@ def _verify(model: nn.Module, make_inputs: Inputs, batch: int, plan: Plan,
     plan.apply(model)
     try:
         loss_fn, autocast = how
-        return measure_training(
+        return measure_memory(
             model, args, kwargs, optimizer=optimizer, loss_fn=loss_fn, autocast=autocast
         )
     finally:

@@ -70,8 +70,18 @@ def optimizer_factory(optimizer: OptimizerLike) -> Callable[[Iterable[torch.Tens
             )
         return OPTIMIZERS[optimizer.lower()]
     if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = _inner(optimizer)
         cls, defaults = type(optimizer), _accepted(type(optimizer), dict(optimizer.defaults))
         return lambda params: cls(params, **defaults)
+    return optimizer
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer inside a wrapper that is one too and holds it as ``optimizer``
+    (accelerate's ``AcceleratedOptimizer``, which the Hugging Face Trainer hands its
+    callbacks): the class to copy is the inner one's, whose constructor takes parameters."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer  # type: ignore[attr-defined]
     return optimizer
 
 

@@ -39,9 +39,7 @@ from autoremat.training.rank_emulation import emulate_fsdp2
 from autoremat.training.sharding import Sharding
 from autoremat.training.step_memory import StepMemory, buffer_copies, step_memory
 
-__all__ = ["RankPlanner", "RankStep", "ShardingLike", "plan_for_rank", "rank_step_memory"]
-
-ShardingLike = str | Sharding | None
+__all__ = ["RankPlanner", "RankStep", "plan_for_rank", "rank_step_memory"]
 
 
 @dataclasses.dataclass(frozen=True)

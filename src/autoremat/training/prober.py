@@ -25,8 +25,8 @@ from autoremat.record.shadow import meta_shadow
 from autoremat.record.step import Autocast, LossFn
 from autoremat.record.tree import ExampleInputsError
 from autoremat.training.device_model import DeviceModel
+from autoremat.training.device_plan import DevicePlanner
 from autoremat.training.optimizer_memory import OptimizerMemory
-from autoremat.training.plan_for_device import DevicePlanner
 from autoremat.training.scaled_profile import WINDOWS, NotScalable, ScaledProfiles
 from autoremat.training.step_memory import StepMemory, step_memory
 
@@ -150,8 +150,7 @@ class Prober:
             raise NotScalable(
                 f"fit cannot size {type(self.model).__name__}: its step cannot run on meta "
                 f"({self.not_on_meta}), and scaling real steps fails: {exc}. Plan a fixed "
-                f"batch instead (autoremat.plan_for_device(model, args, kwargs, "
-                f"device_memory=...))"
+                f"batch instead (autoremat.plan(model, args, kwargs, device_memory=...))"
             ) from None
 
     def real(self, batch: int, timed: bool = True) -> Profile:

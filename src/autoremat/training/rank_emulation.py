@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ from autoremat.planning.rehearsal import PlanFields
 from autoremat.record.memory import LiveMemory
 from autoremat.record.shadow import meta_shadow
 from autoremat.record.step import Autocast, LossFn, train_step
-from autoremat.training.sharding import Sharding
+from autoremat.training.sharding import Sharding, default_units
 from autoremat.wrap.wrapping import apply
 
 __all__ = ["EmulatedRank", "ResizeCountingMemory", "emulate_fsdp2", "fake_shadow", "fake_world"]
@@ -141,9 +142,10 @@ def emulate_fsdp2(
 
     Raises:
         RuntimeError: a process group is initialised (:func:`fake_world`).
+        ValueError: FSDP2 refuses a unit (the message names it, gives FSDP2's reason and
+            what to choose instead), or the step cannot run on fake tensors.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.fsdp import fully_shard
 
     cast = None if autocast is None else ("cpu", autocast[1])
     with (
@@ -160,11 +162,10 @@ def emulate_fsdp2(
         how: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": keep}
         if sharding.mp_policy is not None:
             how["mp_policy"] = sharding.mp_policy
-        for path in sharding.units or ():
-            fully_shard(shadow.get_submodule(path), **how)
-        fully_shard(shadow, **how)
+        _shard(model, shadow, sharding.units or (), how)
         counted = device or str(model_device(model))
-        step = _stepped(model, shadow, args, kwargs, loss_fn, cast, counted == "cpu")
+        step = _stepped(model, shadow, (args, kwargs), loss_fn, cast, counted == "cpu",
+                        sharding.units or ())  # fmt: skip
         shards = tuple(_local(p) for p in shadow.parameters() if p.requires_grad)
         grads = [_local(p.grad) for p in shadow.parameters() if p.grad is not None]
         return EmulatedRank(
@@ -175,16 +176,68 @@ def emulate_fsdp2(
         )
 
 
-def _stepped(model: nn.Module, shadow: nn.Module, args: Any, kwargs: Any,
-             loss_fn: LossFn | None, cast: Autocast | None,
-             rng_states: bool) -> ResizeCountingMemory:  # fmt: skip
+def _shard(model: nn.Module, shadow: nn.Module, units: Sequence[str],
+           how: dict[str, Any]) -> None:  # fmt: skip
+    """``fully_shard`` each of ``units`` of ``shadow``, then its root.
+
+    Raises:
+        ValueError: FSDP2 refuses a unit (:func:`_refused`: a container without a forward).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for path in units:
+        try:
+            fully_shard(shadow.get_submodule(path), **how)
+        except (ValueError, TypeError, RuntimeError, AssertionError) as exc:
+            raise _refused(model, [path], exc) from None
+    fully_shard(shadow, **how)
+
+
+def _refused(model: nn.Module, units: Sequence[str], exc: BaseException) -> ValueError:
+    """The error for ``units`` that FSDP2 refused with ``exc``: they are named, with
+    FSDP2's reason (its first line) and the units to choose instead."""
+    why = str(exc).splitlines()[0].rstrip(" (")[:300] if str(exc) else type(exc).__name__
+    used = "DTensor" in why  # (a unit's forward does not run, or another reads its weights)
+    note = ": a unit's parameter was used outside its forward, where FSDP2 does not gather it"
+    blocks = default_units(model)
+    instead = (
+        f"the model's blocks, the default (units=None: {', '.join(blocks[:3])}"
+        f"{', ...' * (len(blocks) > 3)})"
+        if blocks and tuple(blocks) != tuple(units)
+        else "modules whose forward runs in the step and that share no weight with another unit"
+    )
+    named = f"unit{'s' * (len(units) != 1)} {', '.join(units)}" if units else "root unit"
+    return ValueError(
+        f"FSDP2 refused the {named} of {type(model).__name__}{note * used} "
+        f"({type(exc).__name__}: {why}). Choose other units in Sharding(..., units=[...]) "
+        f"(--fsdp-units): {instead}"
+    )
+
+
+def _by_fsdp2(exc: BaseException) -> bool:
+    """Whether FSDP2 itself refused the step's units: ``exc`` raised in FSDP2's code (its
+    lazy init finds weights tied across units), or a sharded parameter (a DTensor) used
+    outside its unit's forward (a unit whose forward does not run, or whose weights another
+    module reads), where FSDP2 does not gather it."""
+    tb, last = exc.__traceback__, ""
+    while tb is not None:
+        last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    inside = os.sep.join(("", "distributed", "fsdp", ""))
+    return inside in last or "mixed torch.Tensor and DTensor" in str(exc)
+
+
+def _stepped(model: nn.Module, shadow: nn.Module, inputs: tuple[Any, Any],
+             loss_fn: LossFn | None, cast: Autocast | None, rng_states: bool,
+             units: Sequence[str]) -> ResizeCountingMemory:  # fmt: skip
     """Two steps of the sharded fake ``shadow`` (the first: FSDP2's lazy init), the second
     counted; FSDP2's and the model's warnings about the emulation's classes kept quiet.
 
     Raises:
-        ValueError: the step cannot run on fake tensors (it reads values: ``nonzero``
-            routing, ``.item()``), naming the model and what to do.
+        ValueError: FSDP2 refused ``units`` (:func:`_by_fsdp2`, :func:`_refused`), or the
+            step cannot run on fake tensors (it reads values: ``nonzero`` routing,
+            ``.item()``), naming the model and what to do.
     """
+    args, kwargs = inputs
     quiet = huggingface.logger  # (its use_cache note would name FSDP's class)
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -196,12 +249,15 @@ def _stepped(model: nn.Module, shadow: nn.Module, args: Any, kwargs: Any,
                 train_step(shadow, args, kwargs, loss_fn, autocast=cast)
         return step
     except Exception as exc:
+        if _by_fsdp2(exc):
+            raise _refused(model, units, exc) from None
         why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise ValueError(
             f"{type(model).__name__}'s FSDP2 rank cannot be emulated on fake tensors "
             f"({type(exc).__name__}: {why}): its step reads values (data-dependent ops such "
             f"as nonzero routing). Plan one rank's batch on the real device instead "
-            f"(autoremat.plan_for_device) and add FSDP2's gathers by hand (docs/scale.md)"
+            f"(autoremat.plan(..., device_memory=...)) and add FSDP2's gathers by hand "
+            f"(docs/scale.md)"
         ) from exc
     finally:
         quiet.setLevel(level)

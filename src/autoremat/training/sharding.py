@@ -1,4 +1,4 @@
-"""How a training job shards the model over its ranks: ``fit(..., world_size=8, sharding="fsdp2")``.
+"""How a training job shards the model over its ranks: ``sharding=Sharding("fsdp2", 8)``.
 
 :class:`Sharding` names the strategy and the ranks; the per-rank memory it implies is
 :mod:`autoremat.training.per_rank`'s. Two strategies, as ``torch.distributed`` has them:
@@ -60,6 +60,8 @@ class Sharding:
                 f"sharding must be one of {', '.join(SHARDINGS)}, got {self.strategy!r}"
             )
         _check_world(self.world_size)
+        if self.units is not None:
+            object.__setattr__(self, "units", tuple(self.units))
         fsdp_only = self.units is not None or not self.reshard_after_forward or self.mp_policy
         if self.strategy == "ddp" and fsdp_only:
             raise ValueError(
@@ -112,47 +114,24 @@ def default_units(model: nn.Module) -> tuple[str, ...]:
     return tuple(f"{path}.{name}" if path else name for name, _ in children)
 
 
-def sharding_of(
-    model: nn.Module,
-    world_size: int,
-    sharding: str | Sharding | None,
-    units: tuple[str, ...] | list[str] | None = None,
-    reshard_after_forward: bool = True,
-) -> Sharding | None:
-    """The :class:`Sharding` ``world_size`` ranks and ``sharding`` (a name of
-    :data:`SHARDINGS`, or a :class:`Sharding`, its world size then the one that counts) give
-    ``model``, its FSDP2 units checked (and, when not given, its blocks); ``None`` for one
-    device (``sharding=None``, ``world_size=1``). Warns when FSDP2 finds no block to shard.
+def sharding_of(model: nn.Module, sharding: Sharding | None) -> Sharding | None:
+    """``sharding`` for ``model``, its FSDP2 units checked (and, when not given, its blocks);
+    ``None`` for one device. Warns when FSDP2 finds no block to shard.
 
     Raises:
-        ValueError: ``world_size`` not a whole number >= 1, or above 1 without a strategy; a
-            ``Sharding`` with another world size, or with ``units``/``reshard_after_forward``
-            given beside it; an unknown strategy; FSDP2's settings for DDP; a unit that is
-            not a submodule of ``model`` (named).
+        TypeError: ``sharding`` is not a :class:`Sharding` (a strategy's name alone does not
+            say how many ranks share the model).
+        ValueError: a unit that is not a submodule of ``model`` (named).
     """
-    _check_world(world_size)
     if sharding is None:
-        if world_size != 1:
-            raise ValueError(
-                f"world_size={world_size} needs a sharding, 'ddp' or 'fsdp2' (--sharding on "
-                f"the command line): how the ranks share the model decides what each holds"
-            )
         return None
-    if isinstance(sharding, Sharding):
-        if world_size not in (1, sharding.world_size):
-            raise ValueError(f"world_size={world_size} and {sharding} disagree: give one")
-        if units is not None or not reshard_after_forward:
-            raise ValueError("give units and reshard_after_forward in the Sharding, not beside it")
-        spec = sharding
-    elif sharding == "ddp" and (units is not None or not reshard_after_forward):
-        raise ValueError(
-            "fsdp_units and reshard_after_forward are FSDP2's settings: DDP keeps the whole "
-            "model on every rank; drop them, or use sharding='fsdp2'"
+    if not isinstance(sharding, Sharding):
+        raise TypeError(
+            f"sharding must be an autoremat.Sharding, such as Sharding('fsdp2', world_size=8), "
+            f"or None for one device; got {sharding!r}: the number of ranks decides what "
+            f"each holds"
         )
-    else:
-        spec = Sharding(sharding, world_size, None if units is None else tuple(units),
-                        reshard_after_forward if sharding == "fsdp2" else True)  # fmt: skip
-    return _with_units(model, spec)
+    return _with_units(model, sharding)
 
 
 def _with_units(model: nn.Module, spec: Sharding) -> Sharding:
@@ -171,7 +150,7 @@ def _with_units(model: nn.Module, spec: Sharding) -> Sharding:
         logger.warning(
             "fsdp2: %s has no blocks to shard one by one (no _no_split_modules, no "
             "nn.ModuleList): only the root is a unit, gathered whole for the step; name the "
-            "modules you fully_shard with fsdp_units=[...] (--fsdp-units)",
+            "modules you fully_shard with Sharding(..., units=[...]) (--fsdp-units)",
             type(model).__name__,
         )
     return dataclasses.replace(spec, units=tuple(chosen))

@@ -18,7 +18,7 @@ dispatcher, so no tracker sees them).
 :class:`StepMemory` holds these parts and, for a device, what its runtime and allocator add
 (:mod:`autoremat.training.device_model`); :func:`step_memory` adds them up from a model, its inputs,
 the step peak (a plan's step run, or a profile's) and the optimizer's memory
-(:mod:`autoremat.training.optimizer_memory`). :func:`autoremat.measure_training` measures the same
+(:mod:`autoremat.training.optimizer_memory`). :func:`autoremat.measure_memory` measures the same
 around real optimizer steps.
 """
 

@@ -99,12 +99,19 @@ def _choose(tree: Node, request: Request) -> dict[str, Any]:
     assert request.segments is not None
     left_out: dict[str, str] = {}
     chosen = choose_levels(tree, request.segments, left_out)
-    warning = left_out_warning(left_out, request.model_name)
+    warnings = {"left_out": left_out_warning(left_out, request.model_name)}
+    if [n.path for n in chosen] == [""]:
+        warnings["whole_model"] = (
+            f"segments={request.segments} recomputes the whole {request.model_name} as one "
+            f"piece: backward runs its whole forward again and keeps all of it, so the step "
+            f"peaks no lower than without a plan, and takes longer; use segments=1 or more "
+            f"(or budget=...)"
+        )
     return {
         "modules": tuple(n.path for n in chosen),
         "segments": request.segments,
         "left_out": left_out,
-        "warnings": {} if warning is None else {"left_out": warning},
+        "warnings": {kind: text for kind, text in warnings.items() if text},
     }
 
 

@@ -4,8 +4,9 @@ The walk prices the eager step. A compiled step keeps what each recomputed regio
 says (its ``tag_activation_checkpoint`` regions), but the partitioner chooses what to save
 outside them and inductor orders the backward's kernels itself: measured on the benchmark zoo
 (``docs/benchmarks.md``, "Under torch.compile"), 0.74-0.98x the eager figure at 75% and 50%
-budgets, 12-28% above it at the lowest. So :func:`plan_for_compile` runs the search of every
-plan (:mod:`autoremat.planning.search`) with each plan's step compiled and measured by the
+budgets, 12-28% above it at the lowest. So :func:`compiled_plan` (``plan(..., compile=...)``) runs
+the search of every plan (:mod:`autoremat.planning.search`) with each plan's step compiled and
+measured by the
 allocator (:class:`CompiledRehearsal`) instead of rehearsed eagerly.
 """
 
@@ -29,7 +30,7 @@ from autoremat.record.snapshot import preserved
 from autoremat.record.step import LossFn, default_loss, leaf_inputs, train_step
 from autoremat.wrap.wrapping import apply, remove
 
-__all__ = ["CompiledRehearsal", "compiled_peak", "plan_for_compile"]
+__all__ = ["CompiledRehearsal", "compiled_peak", "compiled_plan"]
 
 
 def compiled_peak(
@@ -97,7 +98,7 @@ class CompiledRehearsal:
         return f"compiled with torch.compile(backend={backend!r}), by the allocator"
 
 
-def plan_for_compile(
+def compiled_plan(
     model: nn.Module,
     args: tuple[Any, ...] | Any = (),
     kwargs: dict[str, Any] | None = None,
@@ -109,9 +110,10 @@ def plan_for_compile(
     objective: str = "time",
     inductor_config: dict[str, Any] | None = None,
 ) -> Plan:
-    """:func:`autoremat.plan` with ``budget``, every plan the search tries compiled with
-    ``backend`` and one warm step measured by the allocator (:func:`compiled_peak`; each a cold
-    compile, seconds to a minute on a CPU, and three training steps): the plan returned peaks
+    """``autoremat.plan(..., budget=..., compile=backend)``: every plan the search tries
+    compiled with ``backend`` and one warm step measured by the allocator (:func:`compiled_peak`;
+    each a cold compile, seconds to a minute on a CPU, and three training steps): the plan returned
+    peaks
     within the budget compiled, its ``compiled_peak`` (and ``estimated_peak``) that figure.
 
     Then apply the plan and ``torch.compile(model, backend=backend)`` with the inductor

@@ -1,15 +1,15 @@
 """Measuring a whole training step: memory around real optimizer steps.
 
-:func:`measure_training` runs ``steps`` real training steps (``zero_grad(set_to_none=True)``,
+:func:`measure_memory` runs ``steps`` real training steps (``zero_grad(set_to_none=True)``,
 forward, loss, backward, ``optimizer.step()``) with a fresh optimizer and reports, for the
 last one (the optimizer's state then exists, as in every step after the first), the most bytes
 tensors held at once, those live before it included (parameters, buffers, optimizer state,
-inputs): what :class:`autoremat.StepMemory` predicts as ``tensors``. On the CPU it also reports
-the CPU allocator's most (``allocated``: the same, kernels' scratch and checkpoints' RNG states
-included, :class:`~autoremat.record.memory.CpuAllocatorMemory`). On CUDA it reports the
-caching allocator's most reserved bytes (``torch.cuda.max_memory_reserved``) and the device's
-used memory (``torch.cuda.mem_get_info``), what an out-of-memory error and ``nvidia-smi`` are
-about.
+inputs): what :class:`~autoremat.training.step_memory.StepMemory` predicts as ``tensors``.
+On the CPU it also reports the CPU allocator's most (``allocated``: the same, kernels' scratch
+and checkpoints' RNG states included, :class:`~autoremat.record.memory.CpuAllocatorMemory`).
+On CUDA it reports the caching allocator's most reserved bytes
+(``torch.cuda.max_memory_reserved``) and the device's used memory
+(``torch.cuda.mem_get_info``), what an out-of-memory error and ``nvidia-smi`` are about.
 
 The model is put back afterwards: parameters and buffers get their values back (from a copy
 held on the host meanwhile), each parameter's ``.grad`` its tensor (or ``None``), each module
@@ -42,11 +42,11 @@ from autoremat.record.step import (
 )
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_factory
 
-__all__ = ["TrainingMeasurement", "measure_training"]
+__all__ = ["MemoryMeasurement", "measure_memory"]
 
 
 @dataclass(frozen=True)
-class TrainingMeasurement:
+class MemoryMeasurement:
     """``tensors``: the most bytes tensors held at once in the measured step, those live
     before it included; ``reserved`` and ``device_used``: on CUDA, the allocator's most
     reserved bytes in that step and the device memory in use after it (``None`` elsewhere);
@@ -69,7 +69,7 @@ class TrainingMeasurement:
         return text
 
 
-def measure_training(
+def measure_memory(
     model: nn.Module,
     args: tuple[Any, ...] | Any = (),
     kwargs: dict[str, Any] | None = None,
@@ -78,7 +78,7 @@ def measure_training(
     loss_fn: LossFn | None = None,
     steps: int = 2,
     autocast: Autocast | torch.dtype | None = None,
-) -> TrainingMeasurement:
+) -> MemoryMeasurement:
     """Measure the memory of training ``model`` on these inputs with ``optimizer`` (a name of
     :data:`autoremat.training.optimizer_memory.OPTIMIZERS`, an optimizer to copy, a function from
     parameters to one, or ``None``): see the module docstring. ``steps`` >= 1 steps run; the
@@ -106,7 +106,7 @@ def measure_training(
 
 def _run(
     model: nn.Module, args: Any, kwargs: Any, make: Any, how: StepHow, steps: int
-) -> TrainingMeasurement:
+) -> MemoryMeasurement:
     opt = None if make is None else make([p for p in model.parameters() if p.requires_grad])
     cuda = any(p.is_cuda for p in model.parameters())
     for _ in range(steps - 1):
@@ -123,12 +123,12 @@ def _run(
     with watched, LiveMemory() as live:
         _step(model, args, kwargs, opt, how)
     if isinstance(watched, CpuAllocatorMemory):
-        return TrainingMeasurement(tensors=before + live.peak, allocated=before + watched.peak)
+        return MemoryMeasurement(tensors=before + live.peak, allocated=before + watched.peak)
     if not cuda:
-        return TrainingMeasurement(tensors=before + live.peak)
+        return MemoryMeasurement(tensors=before + live.peak)
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
-    return TrainingMeasurement(before + live.peak, torch.cuda.max_memory_reserved(), total - free)
+    return MemoryMeasurement(before + live.peak, torch.cuda.max_memory_reserved(), total - free)
 
 
 def _step(model: nn.Module, args: Any, kwargs: Any, opt: Any, how: StepHow) -> None:

@@ -14,14 +14,14 @@ from autoremat.planning.rehearsal import PlanFields, Rehearsal
 from autoremat.record.step import Autocast, LossFn, Step, step_autocast
 from autoremat.training.device_model import device_model
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
-from autoremat.training.per_rank import RankStep, ShardingLike, rank_step_memory
-from autoremat.training.sharding import sharding_of
+from autoremat.training.per_rank import RankStep, rank_step_memory
+from autoremat.training.sharding import Sharding, sharding_of
 from autoremat.training.step_memory import StepMemory, buffer_copies, step_memory
 
-__all__ = ["predict_training"]
+__all__ = ["predict_memory"]
 
 
-def predict_training(
+def predict_memory(
     model: nn.Module,
     args: tuple[Any, ...] | Any = (),
     kwargs: dict[str, Any] | None = None,
@@ -31,10 +31,7 @@ def predict_training(
     loss_fn: LossFn | None = None,
     device_memory: int | float | str | None = None,
     autocast: Autocast | torch.dtype | None = None,
-    world_size: int = 1,
-    sharding: ShardingLike = None,
-    fsdp_units: list[str] | tuple[str, ...] | None = None,
-    reshard_after_forward: bool = True,
+    sharding: Sharding | None = None,
 ) -> StepMemory:
     """The whole training step's memory of ``model`` on these inputs with ``optimizer`` (a
     name of :data:`autoremat.training.optimizer_memory.OPTIMIZERS`, an optimizer to copy, a function
@@ -48,13 +45,12 @@ def predict_training(
     ``device_memory`` (as :func:`autoremat.fit` takes it), ``device`` counts what the
     device's runtime and allocator add. Nothing is changed.
 
-    Per rank of a job: ``world_size`` ranks with ``sharding`` ``"ddp"`` or ``"fsdp2"`` (its
-    ``fsdp_units``, by default the model's blocks, and ``reshard_after_forward``;
-    :mod:`autoremat.training.sharding`), ``args``/``kwargs`` one rank's batch: the step is
+    Per rank of a job: ``sharding``, a :class:`~autoremat.Sharding` (DDP or FSDP2 over its
+    ranks; :mod:`autoremat.training.sharding`), ``args``/``kwargs`` one rank's batch: the step is
     priced as :mod:`autoremat.training.per_rank` does (FSDP2 run on fake tensors over a fake
     process group, outside any initialised one).
     """
-    spec = sharding_of(model, world_size, sharding, fsdp_units, reshard_after_forward)
+    spec = sharding_of(model, sharding)
     cast = step_autocast(autocast, model)
     device = model_device(model)
     dm = None if device_memory is None else device_model(device_memory, device)

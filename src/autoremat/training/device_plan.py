@@ -21,14 +21,14 @@ from autoremat.record.memory import cpu_allocator_countable
 from autoremat.record.step import Autocast, LossFn, step_autocast
 from autoremat.training.device_model import DeviceModel, device_model
 from autoremat.training.optimizer_memory import OptimizerLike, OptimizerMemory, optimizer_memory
-from autoremat.training.per_rank import RankStep, ShardingLike, plan_for_rank
-from autoremat.training.sharding import sharding_of
+from autoremat.training.per_rank import RankStep, plan_for_rank
+from autoremat.training.sharding import Sharding, sharding_of
 from autoremat.training.step_memory import StepMemory, buffer_copies, step_memory
 
-__all__ = ["DevicePlanner", "plan_for_device"]
+__all__ = ["DevicePlanner", "device_plan"]
 
 
-def plan_for_device(
+def device_plan(
     model: nn.Module,
     args: tuple[Any, ...] | Any = (),
     kwargs: dict[str, Any] | None = None,
@@ -40,10 +40,7 @@ def plan_for_device(
     objective: str = "time",
     autocast: Autocast | torch.dtype | None = None,
     reserve: int | str = 0,
-    world_size: int = 1,
-    sharding: ShardingLike = None,
-    fsdp_units: list[str] | tuple[str, ...] | None = None,
-    reshard_after_forward: bool = True,
+    sharding: Sharding | None = None,
 ) -> Plan:
     """The cheapest plan whose whole training step (:mod:`autoremat.training.step_memory`) fits
     ``device_memory`` at these inputs: parameters, buffers, inputs, ``optimizer``'s state and
@@ -51,7 +48,7 @@ def plan_for_device(
     allocator add, :mod:`autoremat.training.device_model`; on the CPU counted by its allocator,
     kernels' scratch included; ``reserve``, bytes or a size, left free). An empty plan when no
     recompute is needed. Profiles one step (on ``meta`` too, by tensors). Per rank
-    (``world_size``, ``sharding`` ... as :func:`autoremat.predict_training` takes them):
+    (``sharding``, a :class:`~autoremat.Sharding`):
     :func:`autoremat.training.per_rank.plan_for_rank`, by tensors.
 
     Raises:
@@ -61,7 +58,7 @@ def plan_for_device(
     """
     device = model_device(model)
     spec = step_autocast(autocast, model)
-    ranks = sharding_of(model, world_size, sharding, fsdp_units, reshard_after_forward)
+    ranks = sharding_of(model, sharding)
     dm = device_model(device_memory, device, reserve)
     prof = profile(model, args, kwargs, loss_fn=loss_fn, autocast=spec)
     if ranks is not None:
