@@ -88,12 +88,12 @@ CASES: dict[str, tuple[Callable[[nn.Module], object], type, str]] = {
     "an optimizer without a device": (
         lambda m: autoremat.plan(m, (x(),), budget="50%", optimizer="sgd"),
         ValueError,
-        r"optimizer size\(s\) the whole step on a device: pass device_memory=",
+        r"optimizer= counts in the whole step on a device: pass device_memory=\.\.\. too",
     ),
     "a sharding without a device": (
         lambda m: autoremat.plan(m, (x(),), sharding=autoremat.Sharding("ddp", 2)),
         ValueError,
-        r"sharding size\(s\) the whole step on a device: pass device_memory=",
+        r"sharding= counts in the whole step on a device: pass device_memory=\.\.\. too",
     ),
     "a sharding by name": (
         lambda m: autoremat.plan(m, (x(),), device_memory="1GiB", sharding="fsdp2"),

@@ -111,7 +111,7 @@ def test_the_trainer_gives_the_use_cache_note_once_per_run(
 
 
 BREAKDOWN = ("parameters", "buffers", "optimizer state", "inputs", "step peak",
-             "gradients + optimizer step", "tensors at most")  # fmt: skip
+             "or gradients + optimizer step", "tensors at most")  # fmt: skip
 
 
 def _parts(lines: list[str]) -> list[str]:

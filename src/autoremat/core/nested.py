@@ -17,7 +17,7 @@ from torch import nn
 
 from autoremat.core.measuring import measuring
 
-__all__ = ["iter_tensors", "run_model", "storage_key", "tensor_bytes", "version_of"]
+__all__ = ["iter_tensors", "op_tensors", "run_model", "storage_key", "tensor_bytes", "version_of"]
 
 _ATOMS = (str, bytes, int, float, bool, complex, type(None), nn.Module, type)
 
@@ -51,6 +51,25 @@ def iter_tensors(
         return
     for suffix, value in items:
         yield from iter_tensors(value, where + suffix, objects=objects, depth=below)
+
+
+def op_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an ATen op's arguments or result: a tensor, or tuples, lists and dicts of
+    them and of plain values (what a dispatch mode sees, found faster than by pytree, which
+    every op of a step would otherwise flatten twice)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (tuple, list)):
+        return []
+    found = []
+    for v in value:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (tuple, list, dict)):
+            found.extend(op_tensors(v))
+    return found
 
 
 def storage_key(t: torch.Tensor) -> int | None:

@@ -53,13 +53,15 @@ def switched_off(model: nn.Module) -> Iterator[list[str]]:
             setattr(m, name, True)
 
 
-def turned_off_message(model_name: str, paths: list[str], how: str) -> str:
+def turned_off_message(model: nn.Module, paths: list[str], how: str) -> str:
     """One warning for a model whose own checkpointing autoremat turned off (``how``: for the
-    profile, or while the plan is applied)."""
+    profile, or while the plan is applied); BatchNorm named only for a model that has one."""
     shown = ", ".join(repr(p or "(root)") for p in paths[:3])
     more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    norms = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     return (
-        f"{model_name} checkpoints itself (its own activation checkpointing is on in "
+        f"{type(model).__name__} checkpoints itself (its own activation checkpointing is on in "
         f"{len(paths)} module(s): {shown}{more}); autoremat turned it off {how}: the plan's "
-        f"recompute replaces it (the same gradients; BatchNorm statistics move once per step)"
+        f"recompute replaces it (the same gradients"
+        + ("; BatchNorm statistics move once per step)" if norms else ")")
     )

@@ -315,7 +315,7 @@ def profile(
     autocast = step_autocast(autocast, model)
     with no_ambient_autocast(), switched_off(model) as own:
         if own:
-            logger.warning("%s", turned_off_message(type(model).__name__, own, "for the profile"))
+            logger.warning("%s", turned_off_message(model, own, "for the profile"))
         return _profile(model, args, kwargs, loss_fn, autocast, hf_cache, timed)
 
 

@@ -300,16 +300,20 @@ def _applied(model: nn.Module, plan: PlanFields | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """The notes a step of a shadow gives (Hugging Face's ``use_cache`` note, warnings about
-    fake tensors) kept off the user's screen: :func:`autoremat.plan` says what matters."""
-    level = huggingface.logger.level
-    huggingface.logger.setLevel(logging.ERROR)
+    """The notes a planned step gives (Hugging Face's ``use_cache`` note, the wrap's note on a
+    model's own checkpointing, warnings about fake tensors) kept off the user's screen:
+    :func:`autoremat.plan` says what matters."""
+    quieted = (huggingface.logger, logging.getLogger("autoremat.wrap.wrapping"))
+    levels = [q.level for q in quieted]
+    for q in quieted:
+        q.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        huggingface.logger.setLevel(level)
+        for q, level in zip(quieted, levels, strict=True):
+            q.setLevel(level)
 
 
 # a profile's step -> its rehearsals, by (device counted as, memory): plans made from one

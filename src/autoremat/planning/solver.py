@@ -362,10 +362,11 @@ class _Solver:
             capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
             fits = fits[max(0, capped - 1) :]
         freed, forward, cost, link = item.freed, item.freed_in_forward, item.cost, item
-        return [
-            (-min(freed - s[0], cap), s[1] + cost, k, (link, s[3]), -min(forward - s[4], cap))
+        return [  # (min(x, cap) written out: this line runs for every state of every item)
+            (-(a if (a := freed - s[0]) < cap else cap), s[1] + cost, k, (link, s[3]),
+             -(b if (b := forward - s[4]) < cap else cap))
             for s, k in zip(fits, self.counter, strict=False)
-        ]
+        ]  # fmt: skip
 
     def run(self, item: Item, states: list[_State]) -> list[_State]:
         """The states after ``item``'s span: it recomputed whole (any way), a run of its

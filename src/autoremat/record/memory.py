@@ -62,8 +62,10 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 from typing_extensions import Self
+
+from autoremat.core.nested import op_tensors
+from autoremat.record.meta_kernels import run_kernel
 
 __all__ = [
     "CUDA_BLOCK",
@@ -204,15 +206,14 @@ class LiveMemory(TorchDispatchMode):
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        out = run_kernel(func, args, kwargs or {})  # (on meta, each kernel once per input)
+        outputs = op_tensors(out)
         if not outputs:
             return out
         known: set[int] = set()
         if func not in _FRESH_OPS:
-            for t in tree_flatten((args, kwargs))[0]:
-                if isinstance(t, torch.Tensor):
-                    known.update(id(st) for st in _storages(t))
+            for t in op_tensors((args, kwargs)):
+                known.update(id(st) for st in _storages(t))
         name = str(func)
         with self._lock:
             for t in outputs:

@@ -12,6 +12,7 @@ did not run and have no descendant that ran are left out.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,8 @@ from torch import nn
 
 from autoremat.core.classes import own_class
 from autoremat.core.huggingface import cache_off_in_training
-from autoremat.core.nested import iter_tensors, run_model
+from autoremat.core.nested import iter_tensors, op_tensors, run_model
+from autoremat.record.meta_kernels import RememberedKernels
 from autoremat.record.side_effects import ReplayCheck
 from autoremat.record.snapshot import preserved
 
@@ -236,8 +238,11 @@ def build_tree(
 def _run(calls: _Calls, model: nn.Module, args: Any, kwargs: Any) -> None:
     """One forward under the hooks of ``calls``, then its replay check's end; a failure is
     an :class:`ExampleInputsError` naming the module where it arose."""
+    tensors = (*model.parameters(), *op_tensors((args, kwargs)))
+    on_meta = any(t.device.type == "meta" for t in tensors)
     try:
-        run_model(model, args, kwargs)
+        with RememberedKernels() if on_meta else contextlib.nullcontext():
+            run_model(model, args, kwargs)
     except Exception as exc:
         where = calls.running[-1] if calls.running else ""
         raise ExampleInputsError(

@@ -104,9 +104,10 @@ def _check(budget: Any, device_memory: Any, segments: Any, optimizer: Any, reser
     device_only = [n for n, v in (("optimizer", optimizer), ("reserve", reserve or None),
                                   ("sharding", sharding)) if v is not None]  # fmt: skip
     if device_only and device_memory is None:
+        named = " and ".join(f"{n}=" for n in device_only)
         raise ValueError(
-            f"{', '.join(device_only)} size(s) the whole step on a device: pass "
-            f"device_memory=... with it (a budget counts the step's activations only)"
+            f"{named} count{'s' * (len(device_only) == 1)} in the whole step on a device: pass "
+            f"device_memory=... too (a budget bounds the step's activations only)"
         )
     if compile and budget is None:
         raise ValueError(

@@ -82,7 +82,7 @@ class StepMemory:
             *([("DDP's gradient buckets", self.buckets)] if self.buckets else []),
             (f"step peak (activations, gradients{', scratch' * self.scratch})", self.step_peak),
             *([("checkpoints' buffer copies", self.buffer_copies)] if self.buffer_copies else []),
-            ("gradients + optimizer step", self.gradients + self.optimizer_step),
+            ("or gradients + optimizer step", self.gradients + self.optimizer_step),
             ("at most (tensors and scratch)" if self.scratch else "tensors at most", self.tensors),
         ]
         if self.device_model is not None and self.device != self.tensors:

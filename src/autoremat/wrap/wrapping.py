@@ -134,7 +134,7 @@ def _switch_off_own_checkpointing(model: nn.Module, log: UndoLog) -> None:
     if found:
         how = "while the plan is applied (autoremat.remove turns it back on)"
         paths = [p for p, _, _ in found]
-        logger.warning("%s", turned_off_message(type(model).__name__, paths, how))
+        logger.warning("%s", turned_off_message(model, paths, how))
 
 
 def _switch_own_checkpointing_back_on(model: nn.Module, log: UndoLog) -> None:
