@@ -131,3 +131,16 @@ def test_the_fit_command_refuses_half_a_sharding_in_one_line(argv, says, capsys)
     assert main(["fit", "mlp", "--device-memory", "64MiB", *argv]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.splitlines()) == 1
+
+
+def test_the_plan_command_plans_for_a_device_too(capsys):
+    """``autoremat plan TARGET --device-memory M`` is ``plan(device_memory=M)``: its summary,
+    status 0; a device too small is the memory it needs, a part a line, status 2; the
+    optimizer or a sharding without a device is one line."""
+    assert main(["plan", "mlp", "--device-memory", "40MiB", "--optimizer", "sgd"]) == 0
+    assert "Plan for Sequential" in capsys.readouterr().out
+    assert main(["plan", "mlp", "--device-memory", "5MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit 5.00 MiB" in err and "optimizer state" in err.splitlines()[3]
+    assert main(["plan", "mlp", "--budget", "50%", "--sharding", "ddp", "--world-size", "2"]) == 2
+    assert "add --device-memory" in capsys.readouterr().err

@@ -80,11 +80,20 @@ def _measured(
 def _plan_command(ns: argparse.Namespace) -> int:
     """``autoremat plan``: print the plan (and, with --measure, its measured peak)."""
     check_segments(ns.segments)
-    if ns.budget is None and ns.objective != "time":
-        raise CliError("--objective applies to budget plans: add --budget")
+    if ns.budget is None and ns.device_memory is None and ns.objective != "time":
+        raise CliError("--objective applies to budget and device plans: add --budget")
+    sharding = sharding_arg(ns.sharding, ns.world_size, ns.fsdp_units)
+    if ns.device_memory is None and (sharding or ns.optimizer):
+        raise CliError("--optimizer and --sharding size the whole step: add --device-memory")
     loss_fn = loss_from_output(ns.loss)
     model, args, kwargs = load_target(ns.target)
-    if ns.budget is None:
+    if ns.device_memory is not None:
+        optimizer = None if ns.optimizer == "none" else (ns.optimizer or "adamw")
+        chosen = plan(model, args, kwargs, device_memory=_device_memory(ns.device_memory),
+                      optimizer=optimizer, sharding=sharding, objective=ns.objective,
+                      loss_fn=loss_fn, autocast=AUTOCAST.get(ns.autocast or ""))  # fmt: skip
+        print(chosen.summary())
+    elif ns.budget is None:
         chosen = plan(model, args, kwargs, segments=ns.segments, loss_fn=loss_fn)
         print(chosen)
     else:
@@ -95,15 +104,20 @@ def _plan_command(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _fit_command(ns: argparse.Namespace) -> int:
-    """``autoremat fit``: the batch of TARGET's inputs scaled along ``--batch-dim``."""
+def _device_memory(text: str) -> int | float | str:
+    """What ``--device-memory TEXT`` asks for (as :func:`autoremat.plan` takes it)."""
     try:
-        device_memory = parse_budget_arg(ns.device_memory)
+        return parse_budget_arg(text)
     except CliError:
         raise CliError(
-            f"--device-memory {ns.device_memory} is not understood: give a size (24GiB, 800MB), "
+            f"--device-memory {text} is not understood: give a size (24GiB, 800MB), "
             f"whole bytes, or a percentage of the device's memory (90%)"
         ) from None
+
+
+def _fit_command(ns: argparse.Namespace) -> int:
+    """``autoremat fit``: the batch of TARGET's inputs scaled along ``--batch-dim``."""
+    device_memory = _device_memory(ns.device_memory)
     sharding = sharding_arg(ns.sharding, ns.world_size, ns.fsdp_units)
     loss_fn = loss_from_output(ns.loss)
     model, args, kwargs = load_target(ns.target)

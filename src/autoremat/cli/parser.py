@@ -121,11 +121,23 @@ def _add_plan(p_plan: argparse.ArgumentParser) -> None:
         metavar="B",
         help=f"budget strategy: the step's peak memory within B, {BUDGET_FORMS}".replace("%", "%%"),
     )
+    how.add_argument(
+        "--device-memory",
+        metavar="M",
+        help="the whole training step at this batch fits M (a size, whole bytes, or a "
+        "percentage of the device's memory), the optimizer's state included",
+    )
+    p_plan.add_argument(
+        "--optimizer", choices=(*OPTIMIZERS, "none"), default=None,
+        help="with --device-memory: the optimizer whose state counts (default adamw)",
+    )  # fmt: skip
+    _add_ranks(p_plan)
     p_plan.add_argument(
         "--objective",
         choices=OBJECTIVES,
         default="time",
-        help="what a budget plan minimises: the recompute's profiled time (default) or its FLOPs",
+        help="what a budget or device plan minimises: the recompute's profiled time (default) "
+        "or its FLOPs",
     )
     p_plan.add_argument(
         "--measure", action="store_true", help="apply the plan to a copy and measure its peak"
@@ -216,7 +228,8 @@ def _add_fit(p_fit: argparse.ArgumentParser) -> None:
 
 
 def _add_ranks(p_fit: argparse.ArgumentParser) -> None:
-    """``fit``'s options for one rank of a job: --world-size, --sharding, --fsdp-units."""
+    """``fit``'s and ``plan``'s options for one rank of a job: --world-size, --sharding,
+    --fsdp-units."""
     p_fit.add_argument(
         "--world-size",
         type=int,

@@ -52,6 +52,7 @@ from autoremat.record.memory import CpuAllocatorMemory, LiveMemory
 from autoremat.record.shadow import meta_shadow
 from autoremat.record.snapshot import preserved
 from autoremat.record.step import Step, leaf_inputs, no_ambient_autocast, train_step
+from autoremat.wrap import wrapping
 from autoremat.wrap.checkpointed import wrapped_paths
 from autoremat.wrap.wrapping import apply, remove
 
@@ -303,7 +304,7 @@ def _quiet() -> Iterator[None]:
     """The notes a planned step gives (Hugging Face's ``use_cache`` note, the wrap's note on a
     model's own checkpointing, warnings about fake tensors) kept off the user's screen:
     :func:`autoremat.plan` says what matters."""
-    quieted = (huggingface.logger, logging.getLogger("autoremat.wrap.wrapping"))
+    quieted = (huggingface.logger, wrapping.logger)
     levels = [q.level for q in quieted]
     for q in quieted:
         q.setLevel(logging.ERROR)
