@@ -111,7 +111,7 @@ def test_plan_objective_flag(capsys):
     out = capsys.readouterr().out
     assert "minimised flops" in out and "selective" in out
     assert main(["plan", "gpt2", "--segments", "2", "--objective", "flops"]) == 2
-    assert "--objective applies to budget plans" in capsys.readouterr().err
+    assert "--objective applies to budget and device plans" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
