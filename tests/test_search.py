@@ -72,6 +72,18 @@ def test_a_plan_the_walk_under_prices_is_refused_and_the_limit_lowered() -> None
                               if walked(p) + 10 <= 60)  # fmt: skip
 
 
+def test_a_plan_over_though_the_walk_prices_it_below_the_limit_is_not_proposed_again() -> None:
+    """At 90 the walk proposes a (80 by it: the cheapest within 90); its run, 15 above the
+    walk's price (a rank's gathers, which the walk does not see), is 5 over. The limit falls
+    below a's price by those 5, not to 85 (where the walk would propose a again, and the
+    search once gave up): b fits (60 by the walk, 75 run), the cheapest that does."""
+
+    def judge(chosen: tuple[Item, ...]) -> int:
+        return walked(chosen) + 15 - 90
+
+    assert cheapest(WALK, 90, judge) == (B,)
+
+
 def test_no_plan_fits_gives_none_within_the_tries() -> None:
     runs = []
 

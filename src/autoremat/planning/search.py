@@ -8,9 +8,9 @@ bytes it is over what must fit (0 or less: it fits). The walk's own limit is the
 the run said, and the walk asked again:
 
 * :func:`cheapest`: from the limit asked, the limit rises by a plan's slack (the walk priced it
-  above its run: a cheaper plan may fit) and falls by a plan's excess, bisecting once a limit
-  that fits and one that does not are known, for at most :data:`TRIES` runs; the cheapest plan
-  that fitted wins.
+  above its run: a cheaper plan may fit) and falls to the walk's price of a plan less its
+  excess, bisecting once a limit that fits and one that does not are known, for at most
+  :data:`TRIES` runs; the cheapest plan that fitted wins.
 * :func:`lowest`: the lowest peak among the plans the planner can make: the walk's own lowest
   plan and the plans people write by hand (every block; every block's children), each run
   but those whose :func:`floor` is above the least peak run so far.
@@ -24,7 +24,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from autoremat.planning.solver import Infeasible, Item, min_peak, solve
+from autoremat.planning.solver import Infeasible, Item, min_peak, solve, walk_peak
 
 __all__ = [
     "SLACK",
@@ -70,6 +70,10 @@ class Walk:
         except Infeasible:
             return None
 
+    def price(self, chosen: Chosen) -> int:
+        """The peak the walk prices for ``chosen`` (at most the limit it was proposed at)."""
+        return walk_peak(chosen, self.after, self.forward)
+
     def lowest(self) -> int:
         """The lowest limit the walk meets (:func:`min_peak`), found once."""
         if self._lowest is None:
@@ -104,7 +108,10 @@ def cheapest(walk: Walk, limit: int, judge: Judge, tries: int = TRIES) -> Chosen
         if -tolerance <= excess <= 0 or (fits is not None and over is not None
                                           and over - fits <= tolerance):  # fmt: skip
             break
-        at = _next(at - excess, fits, over)
+        # over: below the walk's own price of the plan by the excess (else the walk could
+        # propose the same plan again: it prices a rank's gathers, say, at nothing)
+        start = min(at, walk.price(chosen)) if excess > 0 else at
+        at = _next(start - excess, fits, over)
     return best
 
 
