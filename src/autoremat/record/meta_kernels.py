@@ -44,7 +44,7 @@ def run_kernel(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return func(*args, **kwargs)
     if known:
         outs = [torch.empty_strided(s, st, dtype=d, device="meta") for s, st, d in known]
-        return outs[0] if len(outs) == 1 and _single(func) else tuple(outs)
+        return outs[0] if len(outs) == 1 else tuple(outs)  # (one per return of its schema)
     out = func(*args, **kwargs)
     if len(_SEEN) >= _MOST:
         _SEEN.clear()
@@ -101,10 +101,6 @@ def _fresh_only(func: Any) -> bool:
         )
         _FRESH_ONLY[func] = found
     return found
-
-
-def _single(func: Any) -> bool:
-    return len(func._schema.returns) == 1
 
 
 def _remembered(out: Any, args: Any, kwargs: Any) -> tuple[tuple[Any, ...], ...] | None:

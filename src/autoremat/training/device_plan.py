@@ -14,7 +14,6 @@ from autoremat.planning.plan import planned
 from autoremat.planning.plans import Plan
 from autoremat.planning.rehearsal import Rehearsal, rehearsal_for
 from autoremat.planning.search import Chosen
-from autoremat.planning.solver import walk_peak
 from autoremat.planning.strategies.budget import BudgetTooLow, Planner, fields_for
 from autoremat.planning.strategy import Request
 from autoremat.record.memory import cpu_allocator_countable
@@ -125,7 +124,7 @@ class DevicePlanner:
             return None
         copies = buffer_copies(fields_for(self.prof, list(floor)).modules, self.model,
                                self.prof.module_tree)  # fmt: skip
-        peak = walk_peak(floor, walk.after, walk.forward)
+        peak = walk.price(floor)
         return step_memory(self.model, self.inputs, peak, self.opt, self.dm, copies)
 
     def too_low(self) -> BudgetTooLow:

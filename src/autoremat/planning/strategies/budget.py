@@ -22,7 +22,7 @@ from autoremat.planning.choice import OBJECTIVES, Choice
 from autoremat.planning.planning_tree import planning_tree, recompute_seconds
 from autoremat.planning.rehearsal import CannotRun, PlanFields, Rehearsal, rehearsal_for
 from autoremat.planning.search import Chosen, Judge, Walk, cheapest, hand_plans, lowest
-from autoremat.planning.solver import Item, walk_peak
+from autoremat.planning.solver import Item
 from autoremat.planning.strategy import Request, Strategy, left_out_warning
 from autoremat.record.tree import find_blocks
 
@@ -92,7 +92,7 @@ class Planner:
             return self.rehearsal.peak(fields_for(self.prof, list(chosen)))
         except CannotRun as exc:  # (priced by the walk, an upper bound, and said so)
             self.priced = f"the walk's price ({self.rehearsal.how}: {exc})"
-            return walk_peak(chosen, self.prof.backward_points, self.prof.forward_points)
+            return self.walk.price(chosen)
 
     def cheapest(self, limit: int, judge: Judge | None = None) -> tuple[Chosen, int] | None:
         """The cheapest plan found whose step peaks at most ``limit`` (or, with ``judge``, that
