@@ -8,11 +8,8 @@ the reasoning and the measured error; in short, for a node checkpointed:
   its inputs nothing inside saved (the checkpoint keeps every input until the node's
   backward, longer than they would otherwise live): :func:`freed_bytes`; of those, under
   autocast, the weight casts autocast's cast cache keeps until the forward ends, freed only
-  after it: :func:`cached_bytes`; and those several nodes saved (a shared module's calls),
-  freed after the forward once all of them are recomputed
-  (:mod:`autoremat.costs.shared_casts`); inputs
-  alive until its backward anyway are not charged, and one an earlier checkpoint keeps
-  is charged once: :mod:`autoremat.costs.inputs`;
+  after it: :func:`cached_bytes`; inputs alive until its backward anyway are not charged:
+  :mod:`autoremat.costs.inputs`;
 * **held during its forward**: those charged inputs from its start, less what its finished
   parts saved (a checkpointed forward drops it, :func:`released`), more, for a selective
   recompute, each kept output nothing else saves, from when it was made: :func:`held_from`;
@@ -199,8 +196,11 @@ def released(
     strictly below, created in ``r`` (not its input) and not part of its output, is held by
     nothing but autograd once ``r`` has ended: from point ``end[r] + 1`` on, a checkpointed
     ancestor's forward runs with those bytes gone (unless a selective recompute keeps them).
-    (Perhaps sooner, when the forward's own code lets it go: the walk does not know, an
-    upper bound.)
+    In ``r``'s own checkpointed forward, such a storage that one child made and later ones
+    took is taken to be let go once the last child that made or took it has ended (its
+    forward's code holds it no longer: it reassigns its hidden states; a guess, which the
+    plan's run checks, that found a diffusers UNet's bf16 lowest plan the walk had priced
+    27% over its run).
     """
     parent, depth = rec.family
     found: dict[Node, list[tuple[int, int, int]]] = defaultdict(list)
@@ -213,6 +213,13 @@ def released(
         if r is None or r not in ends:
             continue
         point = ends[r] + 1
+        passed = [
+            ends[c]
+            for c in r.children
+            if c in ends and (key in rec.input_keys[c] or key in rec.output_keys[c])
+        ]
+        if passed and max(passed) < ends[r]:  # passed between its children: gone after
+            found[r].append((max(passed) + 1, key, size))  # the last that made or took it
         above = parent[r]
         while above is not None and key not in rec.input_keys[above]:
             found[above].append((point, key, size))

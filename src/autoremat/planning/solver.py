@@ -432,8 +432,10 @@ def min_peak(
     while hi - lo > 1:
         mid = (lo + hi) // 2
         try:
-            solve(root, points, mid, forward)
-            hi = mid
+            found = solve(root, points, mid, forward)
         except Infeasible:
             lo = mid
+            continue
+        # (the plan found may price below the limit asked: a limit there is met too)
+        hi = max(lo + 1, min(mid, walk_peak(found, points, forward)))
     return hi

@@ -12,6 +12,7 @@ recompute's profiled time (``objective="time"``) or its FLOPs (``"flops"``). A p
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 from autoremat.core.entries import parse_call
@@ -21,7 +22,15 @@ from autoremat.costs.profile import Profile
 from autoremat.planning.choice import OBJECTIVES, Choice
 from autoremat.planning.planning_tree import planning_tree, recompute_seconds
 from autoremat.planning.rehearsal import CannotRun, PlanFields, Rehearsal, rehearsal_for
-from autoremat.planning.search import Chosen, Judge, Walk, cheapest, hand_plans, lowest
+from autoremat.planning.search import (
+    SLACK,
+    Chosen,
+    Judge,
+    Walk,
+    cheapest,
+    hand_plans,
+    lowest,
+)
 from autoremat.planning.solver import Item
 from autoremat.planning.strategy import Request, Strategy, left_out_warning
 from autoremat.record.tree import find_blocks
@@ -37,6 +46,11 @@ __all__ = [
 
 # A budget this close (a fraction of it) above the lowest reachable peak gets a warning.
 NEAR_LOWEST = 0.02
+
+# a rehearsal -> the lowest plans found with its runs, by (profile, selective, hand plans
+# tried): planners of one profile (a budget, its lowest, fit's candidates) search it once
+_lowest_found: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[Any, ...]]]
+_lowest_found = weakref.WeakKeyDictionary()
 
 
 class BudgetTooLow(ValueError):
@@ -98,9 +112,13 @@ class Planner:
         """The cheapest plan found whose step peaks at most ``limit`` (or, with ``judge``, that
         it says fits: a whole step's memory on a device, a rank's), the walk searched from
         ``limit``; else the lowest plan if it fits; and its peak. ``None``: none fits."""
+        known = self._known_lowest() if judge is None else None
         judge = judge or (lambda c: self.peak(c) - limit)
         if limit >= self.prof.peak and judge(()) <= 0:
             return (), self.peak(())
+        if known is not None and limit < known[1] + max(4096, int(limit * SLACK)):
+            # (a lowest already found: below it nothing fits, just above it that plan does)
+            return known if known[1] <= limit else None
         found = cheapest(self.walk, limit, judge)
         if found is None:
             found = self.lowest()[0]
@@ -113,16 +131,35 @@ class Planner:
         (:func:`autoremat.planning.search.lowest`: the walk's lowest plan and hand plans).
         Priced by FLOPs whatever the objective: the lowest plan does not depend on timing."""
         if self._lowest is None:
-            prof = self.prof
-            root = self.tree("flops")
-            walk = Walk(root, prof.backward_points, prof.forward_points)
-            blocks = find_blocks(prof.module_tree) if prof.module_tree else []
-            hand = hand_plans(root, blocks)
-            tried = [h for k, h in enumerate(hand) if self.hands is None or k in self.hands]
-            bounded = self.rehearsal.eager  # (its runs are of the profiled step)
-            self._lowest = lowest(walk, self.peak, tried, bounded=bounded)
-            self.won = next((k for k, h in enumerate(hand) if h == self._lowest[0]), None)
+            known = _lowest_found.setdefault(self.rehearsal, {})
+            key = self._lowest_key()
+            if key not in known or known[key][0]() is not self.prof:
+                known[key] = (weakref.ref(self.prof), *self._search_lowest())
+            _, chosen, least, self.won = known[key]
+            self._lowest = chosen, least
         return self._lowest
+
+    def _known_lowest(self) -> tuple[Chosen, int] | None:
+        """:meth:`lowest` if it was found already (by this planner or one of the same
+        profile and rehearsal), else ``None``."""
+        known = _lowest_found.get(self.rehearsal, {}).get(self._lowest_key())
+        return self.lowest() if known is not None and known[0]() is self.prof else None
+
+    def _lowest_key(self) -> tuple[Any, ...]:
+        hands = None if self.hands is None else frozenset(self.hands)
+        return id(self.prof), self.request.selective, hands
+
+    def _search_lowest(self) -> tuple[Chosen, int, int | None]:
+        """:meth:`lowest`, searched: the plan, its peak, and which hand plan it is."""
+        prof = self.prof
+        root = self.tree("flops")
+        walk = Walk(root, prof.backward_points, prof.forward_points)
+        blocks = find_blocks(prof.module_tree) if prof.module_tree else []
+        hand = hand_plans(root, blocks)
+        tried = [h for k, h in enumerate(hand) if self.hands is None or k in self.hands]
+        bounded = self.rehearsal.eager  # (its runs are of the profiled step)
+        chosen, least = lowest(walk, self.peak, tried, bounded=bounded)
+        return chosen, least, next((k for k, h in enumerate(hand) if h == chosen), None)
 
     def too_low(self, limit: int) -> BudgetTooLow:
         """The error for a ``limit`` below :meth:`lowest`."""
