@@ -23,6 +23,7 @@ from autoremat.picture.series import aligned, decimated, spans
 from autoremat.picture.step_figure import Curve, Span, StepFigure, frame_of, step_svg
 from autoremat.picture.svg import size_ticks
 from autoremat.training.scale_batch import scale_batch
+from conftest import TINY
 
 
 def peaks(html: str) -> dict[str, int]:
@@ -161,25 +162,6 @@ def test_plot_names_what_it_needs():
         autoremat.plot("plan", "x.html")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="does not exist"):
         autoremat.plot(plan, "/no/such/folder/x.html", model, args, kwargs)
-
-
-TINY = """
-import torch
-from torch import nn
-
-def build():
-    g = torch.Generator().manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)))
-    return model, (torch.randn(256, 64, generator=g),), {}
-"""
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    """A TARGET whose steps are quick: four Linear+GELU blocks."""
-    file = tmp_path / "tiny.py"
-    file.write_text(TINY)
-    return f"{file}:build"
 
 
 @pytest.mark.slow
