@@ -193,3 +193,22 @@ def tiny_llama() -> tuple[nn.Module, torch.Tensor]:
 def example(request: pytest.FixtureRequest) -> tuple[str, nn.Module, tuple, dict]:
     model, args, kwargs = EXAMPLES[request.param]()
     return request.param, model, args, kwargs
+
+
+TINY = """
+import torch
+from torch import nn
+
+def build():
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)))
+    return model, (torch.randn(256, 64, generator=g),), {}
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """A TARGET for a small model whose steps are quick: four Linear+GELU blocks."""
+    file = tmp_path / "tiny.py"
+    file.write_text(TINY)
+    return f"{file}:build"

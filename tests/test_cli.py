@@ -16,24 +16,7 @@ from autoremat.cli.arguments import loss_from_output, parse_budget_arg
 from autoremat.cli.commands import main
 from autoremat.cli.targets import CliError
 from autoremat.core.sizes import format_size
-
-TINY = """
-import torch
-from torch import nn
-
-def build():
-    g = torch.Generator().manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)))
-    return model, (torch.randn(256, 64, generator=g),), {}
-"""
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    """A TARGET for a small model whose steps are quick: four Linear+GELU blocks."""
-    file = tmp_path / "tiny.py"
-    file.write_text(TINY)
-    return f"{file}:build"
+from conftest import TINY
 
 
 def test_tree_prints_paths_and_shapes(capsys):

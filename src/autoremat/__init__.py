@@ -11,6 +11,7 @@ The pipeline is ``model -> tree -> profile -> plan -> wrapped model``::
     autoremat.measure_memory(model, args, kwargs)      # ... measured around optimizer steps
     autoremat.measure(model, args, kwargs)             # peak, held, FLOPs, seconds of a step
     autoremat.build_tree(model, args, kwargs)          # the modules that ran, with their I/O
+    autoremat.plot(plan, "step.html", model, args, kwargs)     # the step's memory, drawn
 
 ``__all__`` holds what users call, construct or catch; the records those return (``Fit``,
 ``Measurement``, ``StepMemory``, ``MemoryMeasurement``, ``Node``, ``Profile``, ...) are
@@ -19,12 +20,14 @@ stages, in the order data flows (each imports only from those before it): ``core
 helpers), ``record`` (running the model and watching it: the tree of claim 1, the recorded
 step, ``measure()``), ``costs`` (the cost model, ``profile()``), ``wrap`` (claim 4),
 ``planning`` (the solver, the strategies, the Plan), ``training`` (the whole step's memory,
-``plan()``, ``fit()``), ``comparison``, ``examples``, ``cli``. ``docs/architecture.md`` maps
+``plan()``, ``fit()``), ``picture`` (the step's memory drawn), ``comparison``, ``examples``,
+``cli``. ``docs/architecture.md`` maps
 every file.
 """
 
 from autoremat.core.measuring import is_measuring
 from autoremat.costs.profile import profile
+from autoremat.picture.draw import plot
 from autoremat.planning.broadcast_plan import broadcast_plan
 from autoremat.planning.plan import lowest_budget
 from autoremat.planning.plans import Plan
@@ -55,6 +58,7 @@ __all__ = [
     "measure",
     "measure_memory",
     "plan",
+    "plot",
     "predict_memory",
     "profile",
     "remove",

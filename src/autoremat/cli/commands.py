@@ -35,6 +35,7 @@ from autoremat.comparison.harness import bench_target
 from autoremat.comparison.report import to_markdown
 from autoremat.core.sizes import format_size
 from autoremat.examples import EXAMPLES
+from autoremat.picture.draw import plot
 from autoremat.planning.plans import Plan
 from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.record.measure import measure
@@ -99,8 +100,13 @@ def _plan_command(ns: argparse.Namespace) -> int:
     else:
         chosen = _budget_plan(model, args, kwargs, ns, loss_fn)
         print(chosen.summary())
+    autocast = AUTOCAST.get(ns.autocast or "")
     if ns.measure:
-        print(_measured(chosen, model, args, kwargs, loss_fn, AUTOCAST.get(ns.autocast or "")))
+        print(_measured(chosen, model, args, kwargs, loss_fn, autocast))
+    if ns.plot:
+        written = plot(chosen, ns.plot, model, args, kwargs, loss_fn=loss_fn, autocast=autocast,
+                       measure=ns.measure)  # fmt: skip
+        print(f"picture: {written}")
     return 0
 
 
@@ -141,6 +147,8 @@ def _fit_command(ns: argparse.Namespace) -> int:
     print(f"optimizer {ns.optimizer})")
     print(found)
     print(found.plan.summary())
+    if ns.plot:
+        print(f"picture: {plot(found, ns.plot)}")
     return 1 if found.fits is False else 0
 
 

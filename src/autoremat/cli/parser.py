@@ -33,13 +33,15 @@ subcommands:
                     strategy: the module tree walked level by level until more than K
                     split points are found, default K={DEFAULT_SEGMENTS}) or --budget B (the
                     cheapest recompute whose predicted peak fits B); --measure applies the
-                    plan to a copy and measures its peak
+                    plan to a copy and measures its peak; --plot FILE.html draws the step
+                    with and without the plan (one HTML file, no network)
   demo [TARGET]     plan with both strategies, apply them, measure peak, FLOPs and step
                     time, and check that a training step is unchanged (TARGET: gpt2)
   bench TARGET      compare ways to recompute side by side (a markdown table)
   fit TARGET        the largest batch whose training step (parameters, gradients,
                     optimizer state, activations) fits --device-memory M (24GiB, 90%),
-                    and the cheapest plan for it, checked once on the device
+                    and the cheapest plan for it, checked once on the device (--plot
+                    FILE.html: the step by part at each batch tried)
   examples          list the built-in example models
 
 TARGET is one of:
@@ -64,7 +66,7 @@ TARGET_HELP = "a built-in example name, or FILE.py:FACTORY (the file is executed
 # starts with "-" to them, so that "--budget -5%" is refused in the option's own words).
 VALUE_OPTIONS = (
     "--autocast", "--batch-dim", "--budget", "--device", "--device-memory", "--loss",
-    "--max-batch", "--objective", "--optimizer", "--repeats", "--rounds", "--segments",
+    "--max-batch", "--objective", "--optimizer", "--plot", "--repeats", "--rounds", "--segments",
     "--fsdp-units", "--sharding", "--world-size",
 )  # fmt: skip
 
@@ -143,8 +145,15 @@ def _add_plan(p_plan: argparse.ArgumentParser) -> None:
         "--measure", action="store_true", help="apply the plan to a copy and measure its peak"
     )
     p_plan.add_argument("--loss", metavar="WHERE", help=LOSS_HELP)
+    _add_plot(p_plan, "draw the step's live memory with and without the plan, its peaks, the "
+              "budget and the recomputes (with --measure, the measured step too)")
     _add_autocast(p_plan, "profile and measure the step with forward and loss under "
                   "torch.autocast with this dtype, as it will train")  # fmt: skip
+
+
+def _add_plot(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--plot", metavar="FILE.html", default=None,
+                   help=f"{help}: one self-contained HTML file (inline SVG)")  # fmt: skip
 
 
 def _add_autocast(p: argparse.ArgumentParser, help: str) -> None:
@@ -224,6 +233,8 @@ def _add_fit(p_fit: argparse.ArgumentParser) -> None:
         "--no-verify", action="store_true", help="do not run the batch found on the device"
     )
     p_fit.add_argument("--loss", metavar="WHERE", help=LOSS_HELP)
+    _add_plot(p_fit, "draw the whole step's memory by part at each batch tried, against the "
+              "device's, the chosen batch marked")
     _add_ranks(p_fit)
 
 

@@ -33,7 +33,7 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,7 @@ __all__ = [
     "CpuStatistics",
     "PlanFields",
     "Rehearsal",
+    "Watch",
     "rehearsal_for",
     "way_for",
 ]
@@ -96,6 +97,11 @@ WAYS = ("meta", "fake", "real", "allocator")
 # backward, bookkeeping: measured on the examples, 2 cores), a real one about three times the
 # op's time and 0.4 ms of the tracker's.
 REAL_SECONDS_PER_OP = 4.5e-4
+
+
+# What watches a traced run (:meth:`Rehearsal.traced`): given the model the step runs (a shadow,
+# or the model itself) and the tracker, a context entered around the step.
+Watch = Callable[[nn.Module, LiveMemory], contextlib.AbstractContextManager[Any]]
 
 
 class CannotRun(ValueError):
@@ -142,23 +148,31 @@ class Rehearsal:
         ``None``: the model's own step, as it trains without a plan."""
         key = ("own",) if plan is None else plan.key()
         if key not in self.seen:
-            self.seen[key] = self._run(plan)
+            self.seen[key] = self._run(plan).peak
         return self.seen[key]
 
-    def _run(self, plan: PlanFields | None) -> int:
+    def traced(self, plan: PlanFields | None, watch: Watch) -> LiveMemory:
+        """``plan``'s step run as :meth:`peak` runs it, its tracker (returned) keeping its
+        ``events`` (``trace``) and ``watch(model run, tracker)`` entered around the step; a
+        step :meth:`peak` counts by the CPU allocator is counted by the tracker here."""
+        tracked = self._run(plan, watch)
+        assert isinstance(tracked, LiveMemory), "a traced run is counted by the tracker"
+        return tracked
+
+    def _run(self, plan: PlanFields | None, watch: Watch | None = None) -> Any:
         if self.way in ("real", "allocator"):
-            return self._real(plan)
+            return self._real(plan, watch)
         try:
-            return self._on_shadow(plan)
+            return self._on_shadow(plan, watch)
         except Exception as exc:
             if self.way == "meta":
                 raise
             why = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
             self.way, self.why_real = "real", f"fake tensors cannot run it: {why}"
             logger.info("rehearsing plans of %s %s", type(self.step.model).__name__, self.how)
-            return self._real(plan)
+            return self._real(plan, watch)
 
-    def _on_shadow(self, plan: PlanFields | None) -> int:
+    def _on_shadow(self, plan: PlanFields | None, watch: Watch | None) -> LiveMemory:
         shadow, args, kwargs, mode = self._shadow or self._made()
         fixes = CpuStatistics() if self.way == "fake" else contextlib.nullcontext()
         answers = list(self.step.mask_answers)
@@ -169,10 +183,11 @@ class Rehearsal:
             ordinary_positions_on_meta(),
             fixes,
             _applied(shadow, plan),
-            LiveMemory.counting_as(self.counted_as) as tracked,
+            LiveMemory.counting_as(self.counted_as, trace=watch is not None) as tracked,
+            _watching(watch, shadow, tracked),
         ):
             train_step(shadow, args, kwargs, self.step.loss_fn, autocast=self._autocast())
-        return tracked.peak
+        return tracked
 
     def _made(self) -> tuple[nn.Module, Any, Any, Any]:
         """The shadow, its inputs and the fake mode they live in (``None`` on ``meta``)."""
@@ -197,11 +212,12 @@ class Rehearsal:
             return cast
         return (self.where.type, cast[1])
 
-    def _real(self, plan: PlanFields | None) -> int:
+    def _real(self, plan: PlanFields | None, watch: Watch | None) -> Any:
         """The step of the model itself, ``plan`` applied and removed, left as found."""
         model, args, kwargs = self.step.model, self.step.args, self.step.kwargs
-        by_allocator = self.way == "allocator"
-        tracker = CpuAllocatorMemory() if by_allocator else LiveMemory.counting_as(self.counted_as)
+        tracker: Any = LiveMemory.counting_as(self.counted_as, trace=watch is not None)
+        if self.way == "allocator" and watch is None:
+            tracker = CpuAllocatorMemory()
         with (
             preserved(model, leaf_inputs(args, kwargs)),
             running_eagerly(model),
@@ -209,9 +225,10 @@ class Rehearsal:
             no_ambient_autocast(),
             _applied(model, plan),
             tracker as tracked,
+            _watching(watch, model, tracked),
         ):
             train_step(model, args, kwargs, self.step.loss_fn, autocast=self.step.autocast)
-        return tracked.peak
+        return tracked
 
 
 class CpuStatistics(TorchDispatchMode):
@@ -256,6 +273,11 @@ def _mixed(x: Any, weight: Any) -> bool:
         and isinstance(weight, torch.Tensor)
         and weight.dtype == torch.float32
     )
+
+
+def _watching(watch: Watch | None, model: nn.Module, tracked: Any) -> Any:
+    """``watch``'s context for a step of ``model`` counted by ``tracked`` (none without)."""
+    return contextlib.nullcontext() if watch is None else watch(model, tracked)
 
 
 def _device_of(step: Step) -> torch.device:

@@ -52,6 +52,7 @@ from autoremat.training.prober import (
 )
 from autoremat.training.rank_prober import RankProber
 from autoremat.training.sharding import Sharding, sharding_of
+from autoremat.training.step_memory import StepMemory
 from autoremat.wrap.wrapping import remove
 
 __all__ = [
@@ -87,6 +88,8 @@ class Fit:
     not_verified: str = ""
     # the batches sized again from real steps by the CPU allocator (kernels' scratch)
     by_allocator: tuple[int, ...] = ()
+    # each batch the search tried, with the whole step's memory at its most recompute
+    tried: tuple[tuple[int, StepMemory], ...] = field(default=(), repr=False)
 
     @property
     def fits(self) -> bool | None:
@@ -197,10 +200,17 @@ def fit(
     measured, unsafe = _checked(model, make_inputs, chosen, plan, optimizer, (loss_fn, spec),
                                 verify, ranks)  # fmt: skip
     found = Fit(chosen.batch, plan, dm, tuple(candidates), without, measured, objective, chosen,
-                unsafe, tuple(prober.seen) if prober.by_allocator else ())  # fmt: skip
+                unsafe, tuple(prober.seen) if prober.by_allocator else (),
+                _tried(prober))  # fmt: skip
     if found.fits is False:  # (a warning, and the Fit says so)
         logger.warning("batch %d was predicted to fit but measured %s", found.batch, measured)
     return found
+
+
+def _tried(prober: Prober) -> tuple[tuple[int, StepMemory], ...]:
+    """Each batch ``prober`` tried whose step with the most recompute it sized."""
+    probes = sorted(prober.seen.items())
+    return tuple((b, p.lowest) for b, p in probes if "lowest" in vars(p))
 
 
 def _no_recompute(model: nn.Module, probe: Probe) -> Plan:

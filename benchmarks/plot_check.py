@@ -1,0 +1,74 @@
+"""``--plot`` on every built-in example (fp32 and bf16) and, given ``--zoo NAME``, on library
+zoo models: each plan at 50% (or the lowest budget, when higher) drawn, its drawn peaks
+checked against the plan's figures, the file's size and the time to draw it printed as a
+markdown table (issue 41).
+
+    python benchmarks/plot_check.py [--out DIR] [--examples gpt2,cnn] [--zoo resnet18]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import autoremat
+from autoremat.examples import EXAMPLES
+
+
+def drawn_peaks(html: str) -> dict[str, int]:
+    """Each curve's peak as the page marks it (``data-peak`` of its marker)."""
+    found = re.findall(r'<circle[^>]*data-peak="(\d+)" data-curve="(\w+)"', html)
+    return {curve: int(peak) for peak, curve in found}
+
+
+def check(name: str, model, args, kwargs, autocast, out: Path) -> str:  # type: ignore[no-untyped-def]
+    dtype = "bf16" if autocast else "fp32"
+    try:
+        plan = autoremat.plan(model, args, kwargs, budget="50%", autocast=autocast)
+    except autoremat.BudgetTooLow as exc:  # (50% below the lowest: the lowest)
+        plan = autoremat.plan(model, args, kwargs, budget=exc.lowest, autocast=autocast)
+    start = time.perf_counter()
+    path = autoremat.plot(plan, out / f"{name}-{dtype}.html", model, args, kwargs,
+                          autocast=autocast)  # fmt: skip
+    seconds = time.perf_counter() - start
+    peaks = drawn_peaks(path.read_text())
+    same = peaks.get("plan") == plan.estimated_peak and peaks.get("without") == plan.baseline_peak
+    return (f"| {name} | {dtype} | {len(plan.modules)} | {plan.estimated_by} | "
+            f"{'yes' if same else f'NO {peaks} vs {plan.estimated_peak}, {plan.baseline_peak}'} | "
+            f"{path.stat().st_size / 1024:.0f} KiB | {seconds:.1f} s |")  # fmt: skip
+
+
+def zoo_model(name: str):  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(Path(__file__).parent))
+    import library_zoo
+
+    return library_zoo.ZOO[name].build()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default=None)
+    p.add_argument("--examples", default=",".join(EXAMPLES))
+    p.add_argument("--zoo", default="")
+    ns = p.parse_args()
+    out = Path(ns.out or tempfile.mkdtemp(prefix="autoremat-plots-"))
+    out.mkdir(parents=True, exist_ok=True)
+    print("| model | dtype | entries | plan's run | drawn peaks = plan's | file | draw |")
+    print("|---|---|---:|---|---|---:|---:|")
+    targets = [(n, EXAMPLES[n]) for n in ns.examples.split(",") if n]
+    targets += [(n, lambda n=n: zoo_model(n)) for n in ns.zoo.split(",") if n]
+    for name, factory in targets:
+        for autocast in (None, torch.bfloat16):
+            model, args, kwargs = factory()
+            print(check(name, model, args, kwargs, autocast, out), flush=True)
+    print(f"pages in {out}")
+
+
+if __name__ == "__main__":
+    main()
