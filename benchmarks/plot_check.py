@@ -1,9 +1,10 @@
 """``--plot`` on every built-in example (fp32 and bf16) and, given ``--zoo NAME``, on library
 zoo models: each plan at 50% (or the lowest budget, when higher) drawn, its drawn peaks
 checked against the plan's figures, the file's size and the time to draw it printed as a
-markdown table (issue 41).
+markdown table (issue 41). With ``--fit``, ``fit`` on each too (at twice the step's memory
+without recompute, SGD, batches up to 64), its page checked to mark the batch chosen.
 
-    python benchmarks/plot_check.py [--out DIR] [--examples gpt2,cnn] [--zoo resnet18]
+    python benchmarks/plot_check.py [--out DIR] [--examples gpt2,cnn] [--zoo resnet18] [--fit]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 import autoremat
 from autoremat.examples import EXAMPLES
+from autoremat.training.scale_batch import scale_batch
 
 
 def drawn_peaks(html: str) -> dict[str, int]:
@@ -44,6 +46,24 @@ def check(name: str, model, args, kwargs, autocast, out: Path) -> str:  # type: 
             f"{path.stat().st_size / 1024:.0f} KiB | {seconds:.1f} s |")  # fmt: skip
 
 
+def check_fit(name: str, model, args, kwargs, autocast, out: Path) -> str:  # type: ignore[no-untyped-def]
+    dtype = "bf16" if autocast else "fp32"
+    need = autoremat.predict_memory(model, args, kwargs, optimizer="sgd", autocast=autocast)
+    found = autoremat.fit(model, lambda b: scale_batch(args, kwargs, b),
+                          device_memory=2 * need.device, optimizer="sgd", max_batch=64,
+                          autocast=autocast)  # fmt: skip
+    start = time.perf_counter()
+    path = autoremat.plot(found, out / f"{name}-{dtype}-fit.html")
+    seconds = time.perf_counter() - start
+    html = path.read_text()
+    marked = re.findall(r'data-chosen="(\d+)"', html)
+    bars = len(set(re.findall(r'data-batch="(\d+)"', html)))
+    same = marked == [str(found.batch)]
+    return (f"| {name} | {dtype} | fit: batch {found.batch} (fits: {found.fits}) | "
+            f"{bars} bars | {'yes' if same else f'NO: marked {marked}'} | "
+            f"{path.stat().st_size / 1024:.0f} KiB | {seconds:.1f} s |")  # fmt: skip
+
+
 def zoo_model(name: str):  # type: ignore[no-untyped-def]
     sys.path.insert(0, str(Path(__file__).parent))
     import library_zoo
@@ -56,6 +76,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--examples", default=",".join(EXAMPLES))
     p.add_argument("--zoo", default="")
+    p.add_argument("--fit", action="store_true", help="fit each model too, and draw it")
     ns = p.parse_args()
     out = Path(ns.out or tempfile.mkdtemp(prefix="autoremat-plots-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +88,9 @@ def main() -> None:
         for autocast in (None, torch.bfloat16):
             model, args, kwargs = factory()
             print(check(name, model, args, kwargs, autocast, out), flush=True)
+            if ns.fit:
+                model, args, kwargs = factory()
+                print(check_fit(name, model, args, kwargs, autocast, out), flush=True)
     print(f"pages in {out}")
 
 

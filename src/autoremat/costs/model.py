@@ -16,9 +16,6 @@ the reasoning and the measured error; in short, for a node checkpointed:
 * **recompute peak**: the live bytes when backward first uses what it saved, less what it
   freed, plus the most its forward had added since it began, up to its last save (where
   checkpoint's early stop ends the recompute): :func:`recompute_peak`;
-* **recast**: under autocast, the weights a node's forward found cast by an earlier node
-  (autocast's cast cache), which its recompute, in an autocast region of its own, casts
-  again: :func:`recasts`;
 * **runs** of consecutive children of a plain ``nn.Sequential``, priced as one node:
   :func:`runs`.
 """
@@ -30,19 +27,16 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from autoremat.costs.inputs import Released, alive_until_after, consumers, kept_at
+from autoremat.costs.inputs import alive_until_after
 from autoremat.costs.timeline import Timeline
 from autoremat.record.recording import Recording
 from autoremat.record.tree import Node
 
 __all__ = [
     "MAX_RUN",
-    "Groups",
-    "Recast",
     "Run",
     "Storages",
     "cached_bytes",
-    "cast_reads_within",
     "freed_bytes",
     "freers",
     "held_from",
@@ -50,10 +44,8 @@ __all__ = [
     "kept_cost",
     "kept_let_go",
     "lowest_common",
-    "recasts",
     "recompute_peak",
     "released",
-    "run_recast",
     "runs",
 ]
 
@@ -61,23 +53,6 @@ MAX_RUN = 64  # longest run of Sequential children considered as one recompute
 
 Steps = tuple[tuple[int, int], ...]
 Storages = dict[int, tuple[int, int]]  # kept output id -> (storage key, bytes)
-Reads = dict[int, tuple[int, Node]]  # cast storage key -> (bytes, the node that made it)
-
-
-Groups = tuple[tuple[int, tuple[int, ...]], ...]
-Moments = tuple[tuple[int, int, tuple[int, ...]], ...]
-
-
-@dataclass(frozen=True)
-class Recast:
-    """What a recompute of a node casts again (:func:`recasts`). ``groups``: ``(bytes,
-    holders)``, bytes more at its recompute's peak unless every holder (a node, by its
-    ``end``) is recomputed too; none: whatever else is. ``moments``: ``(point, bytes,
-    groups)``, the live bytes of the step without recompute in each stretch of the node's
-    backward, and the groups still live then (each until the backward has used it)."""
-
-    groups: Groups = ()
-    moments: Moments = ()
 
 
 @dataclass(frozen=True)
@@ -138,17 +113,15 @@ def freed_bytes(
     return freed, held
 
 
-def freers(rec: Recording, line: Timeline) -> dict[int, list[Node]]:
+def freers(rec: Recording) -> dict[int, list[Node]]:
     """For each storage saved for backward, the nodes whose recompute frees it: those whose
-    subtree holds every saver, that did not take it as an input, and for which it is not an
-    output the caller passes on (:func:`_passed_on`)."""
+    subtree holds every saver and that did not take it as an input."""
     parent, depth = rec.family
-    takers = consumers(rec)
     found: dict[int, list[Node]] = defaultdict(list)
     for key, (_, who) in rec.savers.items():
         node: Node | None = lowest_common(who, parent, depth)
         while node is not None:
-            if key not in rec.input_keys[node] and not _passed_on(rec, line, node, key, takers):
+            if key not in rec.input_keys[node]:
                 found[key].append(node)
             node = parent[node]
     return found
@@ -167,25 +140,6 @@ def cached_bytes(rec: Recording, freers: dict[int, list[Node]]) -> dict[Node, in
     return found
 
 
-def _passed_on(
-    rec: Recording, line: Timeline, node: Node, key: int, takers: dict[int, list[Node]]
-) -> bool:
-    """Whether storage ``key`` is an output of ``node`` that a node outside it, beginning
-    after other nodes ended, takes as an input (a UNet down block's skip output, which the up
-    path takes): the caller keeps it alive through those nodes' forwards, so a checkpoint of
-    the node does not free it then, although the node saves it. Counted as not freed at all:
-    an upper bound, since it is freed once that consumer is done with it. (An output the next
-    node takes at once is freed as soon as the node ends, as far as any point can tell.)"""
-    if key not in rec.output_keys[node] or node not in line.spans:
-        return False
-    end = line.spans[node][1]
-    return any(
-        not rec.within(c, node) and not rec.within(node, c) and line.spans[c][0] > end + 1
-        for c in takers[key]
-        if c in line.spans
-    )
-
-
 def released(
     rec: Recording, ends: dict[Node, int]
 ) -> dict[Node, list[tuple[int, int, int]]]:
@@ -196,11 +150,11 @@ def released(
     strictly below, created in ``r`` (not its input) and not part of its output, is held by
     nothing but autograd once ``r`` has ended: from point ``end[r] + 1`` on, a checkpointed
     ancestor's forward runs with those bytes gone (unless a selective recompute keeps them).
-    In ``r``'s own checkpointed forward, such a storage that one child made and later ones
-    took is taken to be let go once the last child that made or took it has ended (its
-    forward's code holds it no longer: it reassigns its hidden states; a guess, which the
-    plan's run checks, that found a diffusers UNet's bf16 lowest plan the walk had priced
-    27% over its run).
+    In ``r``'s own checkpointed forward, such a storage that one child made and only later
+    ones took and saved is taken to be let go once the last of them has ended
+    (:func:`_passed_between`: its code reassigns its hidden states; a guess, not a bound,
+    which the plan's run checks: it found a diffusers UNet's bf16 lowest plan the walk had
+    priced 27% over its run).
     """
     parent, depth = rec.family
     found: dict[Node, list[tuple[int, int, int]]] = defaultdict(list)
@@ -213,18 +167,27 @@ def released(
         if r is None or r not in ends:
             continue
         point = ends[r] + 1
-        passed = [
-            ends[c]
-            for c in r.children
-            if c in ends and (key in rec.input_keys[c] or key in rec.output_keys[c])
-        ]
-        if passed and max(passed) < ends[r]:  # passed between its children: gone after
-            found[r].append((max(passed) + 1, key, size))  # the last that made or took it
+        passed = _passed_between(rec, r, key, who, ends)
+        if passed is not None:
+            found[r].append((passed, key, size))
         above = parent[r]
         while above is not None and key not in rec.input_keys[above]:
             found[above].append((point, key, size))
             above = parent[above]
     return found
+
+
+def _passed_between(
+    rec: Recording, r: Node, key: int, who: set[Node], ends: dict[Node, int]
+) -> int | None:
+    """The point from which ``r``'s checkpointed forward no longer holds storage ``key``, one
+    child made and only later ones took and saved: after the last of them ended (``None``:
+    not so passed, or ``r``'s own ops saved it too)."""
+    kids = [c for c in r.children if c in ends]
+    if r in who or not any(key in rec.output_keys[c] for c in kids):
+        return None
+    last = max(ends[c] for c in kids if key in rec.input_keys[c] or key in rec.output_keys[c])
+    return last + 1 if last < ends[r] else None
 
 
 def _steps(changes: list[tuple[int, int]]) -> Steps:
@@ -323,94 +286,6 @@ def recompute_peak(rec: Recording, line: Timeline, node: Node, freed: int, kept:
             b += 1
         most = max(most, peak - began - gone)
     return line.backward_now[node] - freed + kept_let_go(rec, node, kept) + most
-
-
-def cast_reads_within(rec: Recording) -> dict[Node, Reads]:
-    """For each node, the casts (:attr:`Recording.cast_reads`) that ops inside its subtree read
-    and a node outside it made."""
-    parent = rec.family[0]
-    found: dict[Node, Reads] = defaultdict(dict)
-    for reader, reads in rec.cast_reads.items():
-        for key, (size, maker) in reads.items():
-            node: Node | None = reader
-            while node is not None and not rec.within(maker, node):
-                found[node][key] = (size, maker)
-                node = parent[node]
-    return found
-
-
-def recasts(
-    rec: Recording,
-    line: Timeline,
-    reads: dict[Node, Reads],
-    released: dict[Node, Released] | None = None,
-) -> dict[Node, Recast]:
-    """What each node's recompute casts again, beyond what the step without recompute holds.
-
-    Autocast casts a weight once per forward (its cast cache) and the first node to use it
-    makes the copy; a recompute runs in an autocast region of its own, so a node that read
-    a copy made outside it (``reads``, :func:`cast_reads_within`) makes its own, live from
-    then until its backward has used it. The step without recompute holds the first copy
-    then while a node that saved it and ended before this node began (a *holder*; its
-    backward comes later) or one inside it has what it saved: the new copy costs its bytes
-    more unless every holder is recomputed too (then the first copy is gone), and always when
-    neither kind of saver exists. The moments count the inputs a checkpoint of the node keeps
-    longer than the step (``released``: :func:`autoremat.costs.inputs.released_inputs`).
-    """
-    found = {}
-    for node, keys in reads.items():
-        began = line.spans[node][0]
-        groups: dict[tuple[int, ...], int] = defaultdict(int)
-        group_of: dict[int, tuple[int, ...]] = {}
-        for key, (size, _) in keys.items():
-            savers = rec.savers.get(key, (0, set()))[1]
-            ends = [line.spans[s][1] for s in savers if s in line.spans]
-            holders = tuple(sorted(e for e in ends if e < began))
-            if holders or not any(rec.within(s, node) for s in savers):
-                groups[holders] += size
-                group_of[key] = holders
-        order = list(groups)
-        index = {key: order.index(h) for key, h in group_of.items()}
-        kept = (released or {}).get(node)
-        found[node] = Recast(
-            tuple((groups[h], h) for h in order), _recast_moments(rec, line, node, index, kept)
-        )
-    return found
-
-
-def _recast_moments(
-    rec: Recording, line: Timeline, node: Node, group: dict[int, int], kept: Released | None
-) -> Moments:
-    """The stretches of ``node``'s backward while the copies its recompute cast again live
-    (:class:`Recast` ``moments``): from when backward first used what it saved until the
-    last grad_fn that used one of them has run (then it lets them go), with the inputs its
-    checkpoint keeps longer than the step (``kept``)."""
-    first = rec.unpack_events.get(node)
-    used: dict[int, int] = {}  # cast key -> the event ending the last stretch that held it
-    for (saver, key), i in rec.cast_unpacks.items():
-        if key in group and rec.within(saver, node):
-            used[key] = max(used.get(key, i), i)
-    if first is None or not used:
-        return ()
-    last = min(max(used.values()), len(rec.events) - 1)
-    most: dict[tuple[int, tuple[int, ...]], int] = {}  # (point, groups) -> most live bytes
-    for j in range(first + 1, last + 1):
-        alive = tuple(sorted({group[k] for k, i in used.items() if i >= j}))
-        here = (line.point_at[j], alive)
-        live = rec.events[j][2] + (kept_at(kept, j) if kept else 0)
-        most[here] = max(most.get(here, 0), live)
-    return tuple((p, b, alive) for (p, alive), b in most.items())
-
-
-def run_recast(rec: Recording, reads: dict[Node, Reads], nodes: list[Node]) -> int:
-    """The bytes a recompute of ``nodes`` as one (a run) may cast again: the casts read inside
-    them that none of them made (counted whatever else is recomputed)."""
-    keys: Reads = {}
-    for node in nodes:
-        keys.update(reads.get(node, {}))
-    return sum(
-        size for size, maker in keys.values() if not any(rec.within(maker, n) for n in nodes)
-    )
 
 
 def _chained_children(node: Node, line: Timeline) -> bool:

@@ -36,7 +36,6 @@ checkpointed module saves nothing to see.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ from autoremat.core.selective import WAYS
 from autoremat.core.sizes import format_size
 from autoremat.costs import inputs
 from autoremat.costs import model as cost_model
-from autoremat.costs.model import Recast, Run, Storages
+from autoremat.costs.model import Run, Storages
 from autoremat.costs.timeline import Timeline, timeline
 from autoremat.record.recording import Recording, record_step
 from autoremat.record.step import Autocast, LossFn, Step, no_ambient_autocast, step_autocast
@@ -131,17 +130,11 @@ class NodeCost:
     recompute positive for each kept output nothing saves, from the point it was made.
     ``ways`` has these figures for every selective way of :data:`autoremat.core.selective.WAYS`.
     ``ops`` is the number of op calls of the node's forward and ``op_seconds`` their time.
-    ``recast``: under autocast, the weights its forward found cast by an earlier node, which
-    its recompute casts again and holds until its backward has used them
-    (:class:`autoremat.costs.model.Recast`): ``recast.groups`` the bytes, ``recast.moments``
-    the stretches of its backward while they live; not in ``recompute_peak``.
     ``cached``: the part of ``freed`` that stays live until the forward ends whether or not
     the node is checkpointed (under autocast, the weight casts autocast's cast cache keeps
     until its region ends, :func:`autoremat.costs.model.cached_bytes`): recomputing the node
     frees ``freed - cached`` at the points of the forward after it, ``freed`` after the
-    forward. ``kept_inputs``: ``(point, bytes)``, how much more than the step without
-    recompute its checkpoint holds at the points of its backward by keeping its inputs to the
-    end of it (:func:`autoremat.costs.inputs.kept_inputs`).
+    forward.
     """
 
     path: str
@@ -165,9 +158,7 @@ class NodeCost:
     ops: int = 0
     op_seconds: float = 0.0
     ways: tuple[WayCost, ...] = ()
-    recast: Recast = field(default_factory=Recast)
     cached: int = 0
-    kept_inputs: tuple[tuple[int, int], ...] = ()
 
     def way(self, name: str) -> WayCost:
         """The selective way called ``name``; ``KeyError`` naming the ways if none."""
@@ -384,29 +375,14 @@ class _Assembly:
 
     def __init__(self, rec: Recording, line: Timeline, times: _Times) -> None:
         self.rec, self.line, self.times = rec, line, times
-        freers = cost_model.freers(rec, line)
+        freers = cost_model.freers(rec)
         charged = inputs.charged_inputs(rec, line, freers)
         self.freed, self.charged = cost_model.freed_bytes(rec, freers, charged)
         self.cached = cost_model.cached_bytes(rec, freers)
         ends = {node: end for node, (_, end) in line.spans.items()}
         self.released = cost_model.released(rec, ends)
-        self.reads = cost_model.cast_reads_within(rec)
-        released = inputs.released_inputs(rec, line)
-        self.kept_inputs = inputs.kept_inputs(rec, line, released)
-        self.recasts = cost_model.recasts(rec, line, self.reads, released)
-        self.runs = {
-            node: tuple(self._recast_run(node.children, r) for r in found)
-            for node, found in cost_model.runs(rec, line, self.released, freers).items()
-        }
+        self.runs = cost_model.runs(rec, line, self.released, freers)
         self.found: dict[Node, NodeCost] = {}
-
-    def _recast_run(self, kids: list[Node], run: Run) -> Run:
-        """``run`` of children ``kids`` with its peak counting the casts its recompute makes
-        again."""
-        if not run.recompute_peak:  # its backward never ran
-            return run
-        extra = cost_model.run_recast(self.rec, self.reads, kids[run.i : run.j])
-        return dataclasses.replace(run, recompute_peak=run.recompute_peak + extra)
 
     def costs(self) -> dict[Node, NodeCost]:
         self.total(self.rec.tree)
@@ -454,9 +430,7 @@ class _Assembly:
             ops=own.ops + sum(k.ops for k in kids),
             op_seconds=seconds,
             ways=ways,
-            recast=self.recasts.get(node, Recast()),
             cached=self.cached[node],
-            kept_inputs=self.kept_inputs.get(node, ()),
         )
         return kept
 

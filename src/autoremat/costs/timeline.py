@@ -10,13 +10,12 @@ are kept apart from those after it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from autoremat.record.recording import Event
 from autoremat.record.tree import Node
 
-__all__ = ["Timeline", "backward_stretches", "risen", "timeline"]
+__all__ = ["Timeline", "timeline"]
 
 Points = tuple[tuple[int, int], ...]
 
@@ -26,8 +25,8 @@ class Timeline:
     """``spans``: node -> (start, end); ``forward_points``/``backward_points``; ``events``:
     node -> (index of its first event, of its last); ``backward_now``: node -> live bytes when
     its recompute would begin (when backward first used what it saved, else when its backward
-    began); ``ended_before[i]``: how many nodes had ended before event ``i``; ``point_at[i]``:
-    the point of the interval that ends with event ``i``. Nodes are the recording's."""
+    began); ``ended_before[i]``: how many nodes had ended before event ``i``. Nodes are the
+    recording's."""
 
     spans: dict[Node, tuple[int, int]]
     forward_points: Points
@@ -35,7 +34,6 @@ class Timeline:
     events: dict[Node, tuple[int, int]]
     backward_now: dict[Node, int]
     ended_before: list[int]
-    point_at: tuple[int, ...] = ()
 
 
 def timeline(tree: Node, events: list[Event], unpacked: dict[Node, int]) -> Timeline:
@@ -54,7 +52,7 @@ def timeline(tree: Node, events: list[Event], unpacked: dict[Node, int]) -> Time
     spans = {
         n: (ended_before[first_start[n]], index[n]) for n in tree.walk() if n in last_end
     }
-    forward, backward, backward_now, point_at = _points(events, index, ended_before, unpacked)
+    forward, backward, backward_now = _points(events, index, ended_before, unpacked)
     return Timeline(
         spans=spans,
         forward_points=forward,
@@ -62,7 +60,6 @@ def timeline(tree: Node, events: list[Event], unpacked: dict[Node, int]) -> Time
         events={node: (first_start[node], last_end[node]) for node in last_end},
         backward_now=backward_now,
         ended_before=ended_before,
-        point_at=point_at,
     )
 
 
@@ -79,19 +76,17 @@ def _ended_before(ends: list[int], count: int) -> list[int]:
 
 def _points(
     events: list[Event], index: dict[Node, int], ended_before: list[int], unpacked: dict[Node, int]
-) -> tuple[Points, Points, dict[Node, int], tuple[int, ...]]:
-    """The most live bytes at each point, in the forward and after it; the live bytes when
-    each node's recompute would begin; and the point of each event's interval."""
+) -> tuple[Points, Points, dict[Node, int]]:
+    """The most live bytes at each point, in the forward and after it; and the live bytes
+    when each node's recompute would begin."""
     loss_at = next(i for i, e in enumerate(events) if e[0] == "loss")
     peaks: tuple[dict[int, int], dict[int, int]] = ({}, {})
     backward_now: dict[Node, int] = {}
     started = [False] * len(index)
     prefix = len(index)  # nodes 0..prefix-1 have all not begun their backward
-    point_at = []
     for i, (kind, node, peak, now) in enumerate(events):
         # the peak was reached in the interval that ends with event i
         p = ended_before[i] if i <= loss_at else prefix
-        point_at.append(p)
         phase = peaks[0 if i <= loss_at else 1]
         phase[p] = max(phase.get(p, 0), peak)
         if kind == "backward" and node in index and not started[index[node]]:
@@ -99,33 +94,4 @@ def _points(
             prefix = min(prefix, index[node])
             backward_now[node] = unpacked.get(node, now)
     forward, backward = (tuple(sorted(phase.items())) for phase in peaks)
-    return forward, backward, backward_now, tuple(point_at)
-
-
-def backward_stretches(events: list[Event], line: Timeline) -> dict[int, list[tuple[int, int]]]:
-    """The stretches after the forward, by point: ``(event, most live bytes)`` in time order
-    (the stretch that ends with that event)."""
-    loss_at = next(i for i, e in enumerate(events) if e[0] == "loss")
-    found: dict[int, list[tuple[int, int]]] = {}
-    for j in range(loss_at + 1, min(len(events), len(line.point_at))):
-        found.setdefault(line.point_at[j], []).append((j, events[j][2]))
-    return found
-
-
-def risen(
-    stretches: dict[int, list[tuple[int, int]]],
-    span: tuple[int, int],
-    change: Callable[[int], int],
-) -> tuple[tuple[int, int], ...]:
-    """At each point of ``span`` after the forward (``stretches``: :func:`backward_stretches`)
-    where some stretch changes, ``(point, bytes)``: how much its most live bytes rise (fall,
-    when negative) with ``change(event)`` bytes more in the stretch that ends with ``event``.
-    (A point whose change comes to 0 stays: a profile scaled in the batch needs the same
-    entries at every batch.)"""
-    found = []
-    for p in range(span[0], span[1] + 1):
-        here = stretches.get(p, [])
-        if any(change(j) for j, _ in here):
-            most = max(b for _, b in here)
-            found.append((p, max(b + change(j) for j, b in here) - most))
-    return tuple(found)
+    return forward, backward, backward_now

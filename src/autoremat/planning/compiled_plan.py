@@ -70,7 +70,7 @@ def compiled_peak(
             remove(model)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # (a runner: compared, and remembered, by identity)
 class CompiledRehearsal:
     """Plans' steps run compiled (:func:`compiled_peak`), each once: a rehearsal for the
     search, as :class:`~autoremat.planning.rehearsal.Rehearsal` is for eager steps. The walk

@@ -83,23 +83,10 @@ class _Builder:
         self.skipped = skipped
         self.rng = 0  # the RNG state's bytes a checkpoint keeps
 
-    def peak(self, recompute_peak: int, buffers: int, cost: NodeCost | None = None,
-             held: int = 0) -> int:  # fmt: skip
+    def peak(self, recompute_peak: int, buffers: int) -> int:
         """A recompute's peak with the buffers the wrap copies and its two RNG states (none
-        when its backward never ran); for a node (``cost``), with every weight cast its
-        recompute makes again (:class:`~autoremat.costs.model.Recast`), at its start and
-        at the moments of its backward while they live, its ``held`` bytes there."""
-        if not recompute_peak:
-            return 0
-        peak = recompute_peak + buffers + 2 * self.rng
-        if cost is None or not cost.recast.groups:
-            return peak
-        groups = cost.recast.groups
-        moments = (
-            b + sum(groups[g][0] for g in alive) + (held if p >= cost.start else 0)
-            for p, b, alive in cost.recast.moments
-        )
-        return max([peak + sum(size for size, _ in groups), *moments])
+        when its backward never ran)."""
+        return recompute_peak + buffers + 2 * self.rng if recompute_peak else 0
 
     def timed(self, cost: NodeCost, way: str) -> float | None:
         return way_seconds(self.prof, cost, way) if self.objective == "time" else None
@@ -118,15 +105,12 @@ class _Builder:
             flops=cost.flops,
             candidate=reason is None,
             children=tuple(self.build(c) for c in kids),
-            recompute_peak=self.peak(
-                cost.recompute_peak, _buffer_bytes(node.module), cost, cost.held + self.rng
-            ),
+            recompute_peak=self.peak(cost.recompute_peak, _buffer_bytes(node.module)),
             runs=self.runs(cost, kids),
             written=cost.written,
             held=cost.held + self.rng,
             held_from=cost.held_from,
             cached=cost.cached,
-            kept_inputs=cost.kept_inputs,
             other_ways=self.other_ways(node, cost),
             seconds=self.timed(cost, FULL),
         )
@@ -168,14 +152,11 @@ class _Builder:
                     end=cost.end,
                     freed=way.freed - self.rng,
                     flops=way.flops,
-                    recompute_peak=self.peak(
-                        way.recompute_peak, _buffer_bytes(node.module), cost, way.held + self.rng
-                    ),
+                    recompute_peak=self.peak(way.recompute_peak, _buffer_bytes(node.module)),
                     written=way.written,
                     held=way.held + self.rng,
                     held_from=way.held_from,
                     cached=way.cached,
-                    kept_inputs=cost.kept_inputs,
                     way=way.way,
                     seconds=self.timed(cost, way.way),
                 )

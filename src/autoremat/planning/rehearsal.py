@@ -106,7 +106,7 @@ Watch = Callable[[nn.Module, LiveMemory], contextlib.AbstractContextManager[Any]
 
 class CannotRun(ValueError):
     """A plan's step cannot be run where it is asked (a batch no step ran at, whose plans
-    do not scale): the planner prices that plan by its walk instead, an upper bound, and
+    do not scale): the planner prices that plan by its walk instead, a guess, and
     says so (:attr:`autoremat.Plan.estimated_by`)."""
 
 

@@ -13,8 +13,9 @@ number (:mod:`autoremat.planning.search`). ``docs/cost-model.md`` gives the mode
   were live while nodes ``0..p-1`` had finished their forward and not begun their backward.
   Recomputing a set ``S``, never one inside another, lowers that moment by what the nodes of
   ``S`` ended before it free; a node's backward brings its activations back. Inside a chosen
-  node's span a point holds :meth:`Item.held_at` more in its forward, :meth:`Item.held_back`
-  more after it; its recompute adds the point ``(start, recompute_peak)``.
+  node's span a point holds :meth:`Item.held_at` more in its forward,
+  :attr:`Item.held_in_backward` more after it; its recompute adds the point
+  ``(start, recompute_peak)``.
 
 The walk is a dynamic programme over the tree in execution order whose state is the set of
 Pareto-optimal ``(bytes freed so far, cost so far)`` pairs (with :attr:`Item.cached`, the bytes
@@ -84,9 +85,6 @@ class Item:
     # casts its forward made, which autocast's cast cache keeps until its region ends): at
     # the points of the forward the item frees ``freed - cached``, after it ``freed``
     cached: int = 0
-    # (point, bytes) more it holds at those points of its backward, by keeping to its end
-    # inputs the step without recompute frees part-way through it (:meth:`held_back`)
-    kept_inputs: tuple[tuple[int, int], ...] = ()
 
     @property
     def freed_in_forward(self) -> int:
@@ -122,12 +120,6 @@ class Item:
             seconds=None if None in seconds else sum(seconds),  # type: ignore[arg-type]
         )
 
-    def held_back(self, point: int) -> int:
-        """The bytes more than the step without recompute live at ``point`` of its backward
-        (``start <= point <= end``): :attr:`held_in_backward`, and its :attr:`kept_inputs`
-        there."""
-        return self.held + sum(b for p, b in self.kept_inputs if p == point)
-
     def held_at(self, point: int) -> int:
         """The bytes more than the step without recompute live at ``point``, inside the span,
         while this item's checkpointed forward runs (fewer when negative)."""
@@ -155,9 +147,6 @@ class Item:
         if self.start < stop:
             most = max(backward[self.start : stop])
             after = most + self.held_in_backward if most > NONE else NONE
-            for p, b in self.kept_inputs:
-                if p < stop and backward[p] > NONE:
-                    after = max(after, backward[p] + self.held + b)
         for p, b in (*self.held_from, (stop, 0)):
             if p > begin and begin < stop:
                 most = max(forward[begin : min(p, stop)])
@@ -304,14 +293,6 @@ class _Solver:
             0,
             max(self.need) - budget,
             *(w.recompute_peak - budget for i in root.walk() for w in (i, *i.other_ways)),
-            # (the inputs a checkpoint keeps at the points of its backward)
-            *(
-                self.after[p] + w.held + b - budget
-                for i in root.walk()
-                for w in (i, *i.other_ways)
-                for p, b in w.kept_inputs
-                if p <= self.top and self.after[p] > NONE
-            ),
         )
         self.grid = max(1, -(-self.cap // MAX_STATES))
         # some item frees less in the forward than after it: states carry both
@@ -349,7 +330,7 @@ class _Solver:
 
     def take(self, item: Item, states: list[_State]) -> list[_State]:
         """The states in which recomputing ``item`` whole fits, with it recomputed."""
-        if item.held_from or item.kept_inputs or self.phased:
+        if item.held_from or self.phased:
             during, after = item.worst_inside(self.during, self.after)
         else:  # the same in both phases (the common case, kept fast)
             inside = max(self.need[item.start + 1 : item.end + 1], default=NONE)
@@ -407,7 +388,7 @@ def walk_peak(
     """The peak the walk prices for recomputing ``chosen`` (never one inside another): what
     :func:`solve` keeps at most its budget (module docstring); the profiled peak for none."""
     after = [
-        (p, b + sum(s.held_back(p) for s in chosen if s.start <= p <= s.end)) for p, b in points
+        (p, b + sum(s.held_in_backward for s in chosen if s.start <= p <= s.end)) for p, b in points
     ]
     after += [(s.start, s.recompute_peak) for s in chosen]
     during = [

@@ -105,24 +105,8 @@ class Recording:
     # kept output ids that an op changed in place after they were made (selective
     # checkpointing refuses such a cached tensor in the recompute)
     changed: set[int] = field(default_factory=set)
-    # node -> the copies of a parameter, buffer or input in another dtype or device (autocast's
-    # cast of a weight) its own ops read that another node made: storage key -> (bytes, the
-    # node whose op made it) (autocast's cast cache handed them over; a recompute, in an
-    # autocast region of its own, casts them again)
-    cast_reads: dict[Node, dict[int, tuple[int, Node]]] = field(
-        default_factory=lambda: defaultdict(dict)
-    )
-    # the index of the "unpack" event marked when backward first used what a node saved; and
-    # for each cast a node saved, the event that ends the last stretch of backward in which
-    # its grad_fns held it: (node, storage key) -> event index
+    # the index of the "unpack" event marked when backward first used what a node saved
     unpack_events: dict[Node, int] = field(default_factory=dict)
-    cast_unpacks: dict[tuple[Node, int], int] = field(default_factory=dict)
-    # the same for each storage a node saved that is an input of it or of a node it runs
-    # inside (a checkpoint of that node keeps its inputs to the end of its backward)
-    input_unpacks: dict[tuple[Node, int], int] = field(default_factory=dict)
-    # node -> the last such event of everything it saved (once its grad_fns have all run: a
-    # checkpoint of it lets its inputs go then)
-    used_by: dict[Node, int] = field(default_factory=dict)
     # the storage keys of the casts autocast's cast cache keeps until the forward's autocast
     # region ends (a weight's copy in the lower precision: a float32 leaf that requires grad),
     # whoever saved them: a checkpointed module does not free them during the forward
@@ -169,10 +153,6 @@ class OpCosts(TorchDispatchMode):
         self.preexisting = preexisting  # storage keys of parameters, buffers and inputs
         self.cast_dtype = cast_dtype  # the autocast's lower precision (None: no autocast)
         self.cached: set[int] = set()  # storage keys of the casts autocast's cache keeps
-        # the copies made of parameters, buffers and inputs (``_to_copy``, as autocast casts a
-        # weight): storage key -> (bytes, the node whose op made it)
-        self.casts: dict[int, tuple[int, Node]] = {}
-        self.cast_reads: dict[Node, dict[int, tuple[int, Node]]] = defaultdict(dict)
         self.kept = KeptOutputs(clock)
         self.ops = 0  # ops run while counting
         self.counting = True
@@ -196,10 +176,10 @@ class OpCosts(TorchDispatchMode):
         new = new_storages(seen, out)
         for key in new:
             self.kept.current.pop(key, None)
-            self.casts.pop(key, None)
             self.cached.discard(key)
             self.made_at[key].append(self.clock())
-        self._casts(func, (args, kwargs), seen, new)
+        if func is torch.ops.aten._to_copy.default and self._cached(args, kwargs, seen):
+            self.cached.update(new)
         written = sum(new.values())
         own.flops += flops
         own.written += written
@@ -210,28 +190,15 @@ class OpCosts(TorchDispatchMode):
             self.kept.watch(out, dict(uids))
         return out
 
-    def _casts(
-        self, func: Any, given: tuple[Any, Any], seen: set[int | None], new: dict[int, int]
-    ) -> None:
-        """Note the copies ``func`` made of a parameter, buffer or input (``_to_copy``, as
-        autocast casts a weight), and the copies another node made that it reads."""
-        here = self.stack[-1]
-        for key in seen:
-            made = self.casts.get(key)  # type: ignore[arg-type]
-            if made is not None and made[1] is not here:
-                self.cast_reads[here][key] = made  # type: ignore[index]
-        if func is torch.ops.aten._to_copy.default and not self.preexisting.isdisjoint(seen):
-            self.casts.update((key, (size, here)) for key, size in new.items())
-            if self._cached(*given):
-                self.cached.update(new)
-
-    def _cached(self, args: Any, kwargs: Any) -> bool:
-        """Whether this ``_to_copy`` is one autocast's cast cache keeps until its region ends:
-        a float32 leaf that requires grad, not a view, cast to the autocast's lower precision
-        (``cached_cast`` in ATen's ``autocast_mode.h``; :class:`MetaAutocast` on ``meta``)."""
+    def _cached(self, args: Any, kwargs: Any, seen: set[int | None]) -> bool:
+        """Whether this ``_to_copy`` (its inputs' storages ``seen``) is one autocast's cast
+        cache keeps until its region ends: of a parameter, buffer or input, a float32 leaf
+        that requires grad, not a view, cast to the autocast's lower precision (``cached_cast``
+        in ATen's ``autocast_mode.h``; :class:`MetaAutocast` on ``meta``)."""
         source = args[0] if args else None
         return (
-            self.cast_dtype is not None
+            not self.preexisting.isdisjoint(seen)
+            and self.cast_dtype is not None
             and kwargs.get("dtype") == self.cast_dtype
             and isinstance(source, torch.Tensor)
             and source.is_leaf
@@ -291,8 +258,8 @@ class _Recorder:
         self.stack: list[Node] = [self.root]
         self.memory = LiveMemory()
         self.parent: dict[Node, Node | None] = {self.root: None}
-        # grad_fns whose post-hook marks when they have run: id -> (the grad_fn, what to note)
-        self.hooked: dict[int, tuple[Any, list[Callable[[int], None]]]] = {}
+        # grad_fns whose post-hook marks when they have run: id -> (the grad_fn, its saver)
+        self.hooked: dict[int, tuple[Any, Node]] = {}
         self.calls: list[Node] = [self.root]
         self.modules = {id(n.module): n for n in tree.walk()}
         self.count: dict[int, int] = defaultdict(int)
@@ -325,7 +292,6 @@ class _Recorder:
         )
         self.rec.born = self.costs.kept.born
         self.rec.changed = self.costs.kept.changed
-        self.rec.cast_reads = self.costs.cast_reads
         self.rec.cached_casts = self.costs.cached
         self.rec.made_at = self.costs.made_at
         self.rec.kept_freed = self.costs.kept.freed
@@ -362,56 +328,25 @@ class _Recorder:
             rec.unpacked[here] = (len(rec.unpacked), self.memory.current)
             rec.unpack_events[here] = len(rec.events) - 1
             here = self.parent[here]
-        self._used(saver, storage_key(packed[1]))
+        self._used(saver)
         return packed[1]
 
-    def _an_input(self, saver: Node, key: int) -> bool:
-        """Whether storage ``key`` is an input of ``saver`` or of a node it runs inside."""
-        node: Node | None = saver
-        while node is not None:
-            if key in self.rec.input_keys[node]:
-                return True
-            node = self.parent[node]
-        return False
-
-    def _used(self, saver: Node, key: int | None) -> None:
-        """Backward's grad_fn of ``saver`` uses storage ``key``: mark when it has run (it lets
-        what it saved go then), in :attr:`Recording.used_by`, and for a cast or an input in
-        :attr:`Recording.cast_unpacks` or :attr:`Recording.input_unpacks`: the event that ends
-        the last stretch in which it held it."""
-        rec = self.rec
-        into = [
-            found
-            for found, watched in (
-                (rec.cast_unpacks, key in self.costs.casts),
-                (rec.input_unpacks, key is not None and self._an_input(saver, key)),
-            )
-            if watched
-        ]
-
-        def note(event: int) -> None:
-            rec.used_by[saver] = max(rec.used_by.get(saver, event), event)
-            for found in into:
-                found[saver, key] = event  # type: ignore[index]
-
+    def _used(self, saver: Node) -> None:
+        """Backward's grad_fn of ``saver`` uses what it saved: mark when it has run (it lets
+        what it saved go then), once per grad_fn."""
         grad_fn = torch._C._current_autograd_node()
         if grad_fn is None:  # not in a grad_fn: the stretch that begins now holds it
             self.mark("unpack", saver)
-            note(len(rec.events))
             return
         hooked = self.hooked.get(id(grad_fn))
         if hooked is not None and hooked[0] is grad_fn:
-            hooked[1].append(note)  # one mark when it has run, for all it used
             return
-        notes: list[Callable[[int], None]] = [note]
         at = id(grad_fn)
-        self.hooked[at] = (grad_fn, notes)  # (until it has run: ids are reused)
+        self.hooked[at] = (grad_fn, saver)  # (until it has run: ids are reused)
 
         def ran(_grad_inputs: Any, _grad_outputs: Any) -> None:
             self.hooked.pop(at, None)
             self.mark("unpack", saver)
-            for each in notes:
-                each(len(rec.events) - 1)
 
         grad_fn.register_hook(ran)
 

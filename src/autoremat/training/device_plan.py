@@ -113,9 +113,9 @@ class DevicePlanner:
         return self.memory(self.planner.lowest()[0])
 
     def bound(self) -> StepMemory | None:
-        """An upper bound of :meth:`lowest` without running anything: the walk's lowest plan
-        at the walk's own price (the walk prices a step at or above its run); ``None`` when
-        the plans' steps are counted by the allocator, which the walk does not see."""
+        """:meth:`lowest` guessed without running anything: the walk's lowest plan at the
+        walk's own price (most often at or above its run, not always); ``None`` when the
+        plans' steps are counted by the allocator, which the walk does not see."""
         if self.scratch:
             return None
         walk = self.planner.walk

@@ -214,7 +214,8 @@ class Prober:
 
     def fits(self, batch: int, recompute: bool = True) -> bool:
         """Whether ``batch``'s step fits with the lowest plan (or none): at once when the
-        walk's own lowest price fits (an upper bound of the runs), else by running them."""
+        walk's own lowest price fits (its guess: :meth:`largest` checks the batch it finds
+        by runs), else by running them."""
         if not recompute:
             return self.without(batch).device <= self.dm.limit
         probe = self.probe(batch)
@@ -240,7 +241,8 @@ class Prober:
 
     def largest(self, top: int, recompute: bool = True) -> int:
         """The largest batch in ``1..top`` that fits (0: none), by doubling then bisection
-        from the smallest batch that runs (:meth:`smallest_running`)."""
+        from the smallest batch that runs (:meth:`smallest_running`); the one found checked
+        by runs (:meth:`fits` may take the walk's word, which can be a little low)."""
         lo = self.smallest_running(top)
         if not self.fits(lo, recompute):
             return 0
@@ -253,6 +255,8 @@ class Prober:
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.fits(mid, recompute) else (lo, mid)
+        if recompute and self.probe(lo).lowest.device > self.dm.limit:
+            return self.settle(lo - 1)
         return lo
 
     def candidate(self, batch: int) -> Candidate:

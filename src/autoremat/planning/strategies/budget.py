@@ -104,7 +104,7 @@ class Planner:
             return self.prof.peak
         try:
             return self.rehearsal.peak(fields_for(self.prof, list(chosen)))
-        except CannotRun as exc:  # (priced by the walk, an upper bound, and said so)
+        except CannotRun as exc:  # (priced by the walk, its guess, and said so)
             self.priced = f"the walk's price ({self.rehearsal.how}: {exc})"
             return self.walk.price(chosen)
 
