@@ -10,6 +10,7 @@ without recompute, SGD, batches up to 64), its page checked to mark the batch ch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 import tempfile
@@ -65,10 +66,17 @@ def check_fit(name: str, model, args, kwargs, autocast, out: Path) -> str:  # ty
 
 
 def zoo_model(name: str):  # type: ignore[no-untyped-def]
-    sys.path.insert(0, str(Path(__file__).parent))
     import library_zoo
 
     return library_zoo.ZOO[name].build()
+
+
+def _zoo_shim() -> None:
+    """In the zoo's venv, the library zoo's shim first: transformers imports torchvision there,
+    which does not load beside the CPU torch without it (docs/zoo.md)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    with contextlib.suppress(ImportError):  # (not the zoo's venv: no torchvision to shim)
+        import library_zoo  # noqa: F401
 
 
 def main() -> None:
@@ -78,6 +86,7 @@ def main() -> None:
     p.add_argument("--zoo", default="")
     p.add_argument("--fit", action="store_true", help="fit each model too, and draw it")
     ns = p.parse_args()
+    _zoo_shim()
     out = Path(ns.out or tempfile.mkdtemp(prefix="autoremat-plots-"))
     out.mkdir(parents=True, exist_ok=True)
     print("| model | dtype | entries | plan's run | drawn peaks = plan's | file | draw |")

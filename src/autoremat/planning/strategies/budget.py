@@ -211,7 +211,7 @@ class Planner:
         return (
             f"budget {format_size(limit)} is within {NEAR_LOWEST:.0%} of the lowest peak "
             f"recomputing modules of {self.request.model_name} reaches: the plan recomputes "
-            f"about all it can ({len(chosen)} entries, "
+            f"about all it can ({len(choices_for(self.prof, list(chosen)))} entries, "
             f"{sum(i.flops for i in chosen) / 1e9:.3f} GFLOP more); a slightly larger budget "
             f"may cost much less"
         )
