@@ -9,6 +9,7 @@ import itertools
 import re
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -174,6 +175,25 @@ def test_cli_plan_plot_writes_the_page(tiny, tmp_path, capsys, dtype):
     assert f"picture: {out}" in capsys.readouterr().out
     assert set(peaks(html)) == {"plan", "without", "measured"}
     assert recomputes(html)
+
+
+@pytest.mark.parametrize(
+    "command", [["plan", "--budget", "80%"], ["fit", "--device-memory", "4MiB"]]
+)
+def test_cli_refuses_a_page_it_cannot_write_before_planning(tiny, capsys, command):
+    argv = [command[0], tiny, *command[1:], "--plot", "/no/such/folder/x.html"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "the folder /no/such/folder does not exist" in captured.err
+    assert captured.out == ""  # (nothing planned first)
+
+
+def test_a_bf16_page_says_so(tiny, tmp_path):
+    model, args, kwargs = load_target(tiny)
+    plan = autoremat.plan(model, args, kwargs, budget="80%", autocast=torch.bfloat16)
+    html = autoremat.plot(plan, tmp_path / "p.html", model, args, kwargs,
+                          autocast=torch.bfloat16).read_text()  # fmt: skip
+    assert "under bfloat16 autocast" in html
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ from autoremat.comparison.report import to_markdown
 from autoremat.core.sizes import format_size
 from autoremat.examples import EXAMPLES
 from autoremat.picture.draw import plot
+from autoremat.picture.page import writable
 from autoremat.planning.plans import Plan
 from autoremat.planning.strategies.budget import BudgetTooLow
 from autoremat.record.measure import measure
@@ -87,6 +88,8 @@ def _plan_command(ns: argparse.Namespace) -> int:
     if ns.device_memory is None and (sharding or ns.optimizer):
         raise CliError("--optimizer and --sharding size the whole step: add --device-memory")
     loss_fn = loss_from_output(ns.loss)
+    if ns.plot:
+        writable(ns.plot)  # (before planning: a page that cannot be written fails at once)
     model, args, kwargs = load_target(ns.target)
     if ns.device_memory is not None:
         optimizer = None if ns.optimizer == "none" else (ns.optimizer or "adamw")
@@ -126,6 +129,8 @@ def _fit_command(ns: argparse.Namespace) -> int:
     device_memory = _device_memory(ns.device_memory)
     sharding = sharding_arg(ns.sharding, ns.world_size, ns.fsdp_units)
     loss_fn = loss_from_output(ns.loss)
+    if ns.plot:
+        writable(ns.plot)
     model, args, kwargs = load_target(ns.target)
     if ns.device is not None:
         model.to(ns.device)

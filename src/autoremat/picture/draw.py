@@ -156,8 +156,9 @@ def step_page(plan: Plan, step: Step, measure: bool = False) -> str:
     """The page of ``plan``'s step (module docstring)."""
     traces = plan_traces(plan, step, measure)
     figure = step_figure(plan, traces)
+    cast = f" under {step.autocast[1]} autocast".replace("torch.", "") if step.autocast else ""
     lines = [
-        f"{len(plan.modules)} entries recomputed ({len(plan.selective)} selectively); "
+        f"{len(plan.modules)} entries recomputed ({len(plan.selective)} selectively){cast}; "
         f"recompute adds {(plan.recompute_flops or 0) / 1e9:.3f} GFLOP"
         + (f" and about {plan.recompute_seconds * 1e3:.1f} ms" if plan.recompute_seconds else ""),
         f"each curve is the step run {traces['plan'].how}, counted by the live-storage "
@@ -217,11 +218,12 @@ def fit_page(found: Fit) -> str:
     """The page of what ``found`` tried."""
     dm = found.device
     lines = [
-        f"batch {found.batch} chosen ({found.objective}); the largest without recompute: "
+        f"batch {found.batch} chosen (objective: {found.objective}); the largest without "
+        f"recompute: "
         f"{found.largest_without_recompute}; {len(found.plan.modules)} entries recomputed",
         "each bar: the whole training step's memory at that batch, as fit predicted it; the "
         "line: the device's memory; hover over a part for its bytes",
     ]
-    svg = fit_svg(fit_bars(found), dm.total, f"{dm.device} memory")
+    svg = fit_svg(fit_bars(found), dm.total, f"{dm.device} memory to fit:")
     return page(f"fit: the training step at each batch tried on {dm}",
                 [("the whole step by part", lines, svg)])  # fmt: skip
