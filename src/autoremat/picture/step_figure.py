@@ -119,7 +119,7 @@ def _patterns() -> str:
 
 def _recomputes(frame: Frame, spans: Sequence[Span]) -> list[str]:
     """Each recompute's stretch shaded over the plot, named on hover and, when wide
-    enough, along its side."""
+    enough, along its side from the foot (the peaks' labels are at the top)."""
     parts = []
     for s in spans:
         x0, x1 = frame.x(s.start), max(frame.x(s.end), frame.x(s.start) + 1.5)
@@ -133,8 +133,8 @@ def _recomputes(frame: Frame, spans: Sequence[Span]) -> list[str]:
         if x1 - x0 >= 11:
             name = (s.label or "(root)") + (" (sel.)" if s.way != "full" else "")
             parts.append(
-                text(x0 + 9, frame.top + 6, name, 10, fill="#5a4500",
-                     transform=f"rotate(90 {x0 + 3:.1f} {frame.top + 6:.1f})")
+                text(x0 + 10, frame.bottom - 6, name, 10, fill="#5a4500",  # (reading up from
+                     transform=f"rotate(-90 {x0 + 10:.1f} {frame.bottom - 6:.1f})")  # the foot)
             )
     return parts
 
