@@ -215,9 +215,11 @@ class Rehearsal:
     def _real(self, plan: PlanFields | None, watch: Watch | None) -> Any:
         """The step of the model itself, ``plan`` applied and removed, left as found."""
         model, args, kwargs = self.step.model, self.step.args, self.step.kwargs
-        tracker: Any = LiveMemory.counting_as(self.counted_as, trace=watch is not None)
-        if self.way == "allocator" and watch is None:
-            tracker = CpuAllocatorMemory()
+        tracker: Any = (
+            CpuAllocatorMemory()
+            if self.way == "allocator" and watch is None
+            else LiveMemory.counting_as(self.counted_as, trace=watch is not None)
+        )
         with (
             preserved(model, leaf_inputs(args, kwargs)),
             running_eagerly(model),
