@@ -40,7 +40,6 @@ __all__ = [
     "freed_bytes",
     "freers",
     "held_from",
-    "kept_cached",
     "kept_cost",
     "kept_let_go",
     "lowest_common",
@@ -224,19 +223,6 @@ def kept_let_go(rec: Recording, node: Node, kept: Storages) -> int:
         if key not in rec.input_keys[node]
         and not all(rec.within(p, node) for p in rec.kept_savers.get(uid, ()))
         and rec.kept_freed.get(uid, begins + 1) <= begins
-    )
-
-
-def kept_cached(rec: Recording, node: Node, kept: Storages) -> int:
-    """The bytes of :func:`cached_bytes` of ``node`` that a selective recompute keeping
-    ``kept`` does not free (kept casts saved only inside it)."""
-    return sum(
-        size
-        for uid, (key, size) in kept.items()
-        if key in rec.cached_casts
-        and key not in rec.input_keys[node]
-        and rec.kept_savers.get(uid)
-        and all(rec.within(p, node) for p in rec.kept_savers[uid])
     )
 
 

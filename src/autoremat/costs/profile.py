@@ -84,10 +84,11 @@ META_BYTES_PER_SECOND = META_FLOPS_PER_SECOND / COST_PER_BYTE
 class WayCost:
     """One way to recompute a node selectively (``way``, a key of
     :data:`autoremat.core.selective.WAYS`, keeping the outputs of ``save_ops``): what it frees, the
-    FLOPs, bytes and op seconds it runs again, the bytes it holds during the node's forward,
-    and its recompute's peak (as :class:`NodeCost`'s fields of the same names; the peak also
-    counts, at each moment of the recompute, the cached outputs nothing saves that the
-    recompute has not taken back yet). ``kept_changed``: an output this way keeps was changed
+    FLOPs, bytes and op seconds it runs again, how what it holds during the node's forward
+    changes, and its recompute's peak (as :class:`NodeCost`'s fields of the same names; the
+    peak also counts, at each moment of the recompute, the cached outputs nothing saves that
+    the recompute has not taken back yet; ``held`` and ``cached`` are the node's).
+    ``kept_changed``: an output this way keeps was changed
     in place after it was made (an ``LSTMCell``'s ``addmm`` then ``add_``, a ``Linear``
     followed by ``ReLU(inplace=True)`` inside the node): selective checkpointing would refuse
     it in the recompute ("Tensor cached during selective activation checkpoint has been
@@ -98,12 +99,10 @@ class WayCost:
     freed: int
     flops: int
     written: int
-    held: int
     op_seconds: float
     held_from: tuple[tuple[int, int], ...] = ()
     recompute_peak: int = 0
     kept_changed: bool = False
-    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -462,10 +461,8 @@ class _Assembly:
             freed=freed,
             flops=flops - kept_flops,
             written=written - kept_written,
-            held=self.charged[node],
             held_from=cost_model.held_from(self.rec, self.line, self.released[node], kept),
             recompute_peak=self._peak(node, freed, kept),
             op_seconds=max(0.0, seconds - kept_seconds),
             kept_changed=any(uid in self.rec.changed for uid in kept),
-            cached=self.cached[node] - cost_model.kept_cached(self.rec, node, kept),
         )

@@ -142,8 +142,8 @@ class _Builder:
         for way in cost.ways if self.selective else ():
             if way.freed <= 0 or way.flops >= cost.flops or way.kept_changed:
                 continue  # frees nothing, keeps nothing worth keeping, or would fail
-            key = (way.freed, way.flops, way.held, way.held_from, way.cached)
-            if any((o.freed, o.flops, o.held, o.held_from, o.cached) == key for o in found):
+            key = (way.freed - self.rng, way.flops, way.held_from)  # (as the items have them)
+            if any((o.freed, o.flops, o.held_from) == key for o in found):
                 continue  # the same as a way already offered (no batched matmuls here)
             found.append(
                 Item(
@@ -154,9 +154,9 @@ class _Builder:
                     flops=way.flops,
                     recompute_peak=self.peak(way.recompute_peak, _buffer_bytes(node.module)),
                     written=way.written,
-                    held=way.held + self.rng,
+                    held=cost.held + self.rng,
                     held_from=way.held_from,
-                    cached=way.cached,
+                    cached=cost.cached,
                     way=way.way,
                     seconds=self.timed(cost, way.way),
                 )
