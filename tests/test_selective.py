@@ -519,3 +519,27 @@ def test_a_way_whose_kept_output_is_changed_in_place_is_never_offered(case: int)
         wrapped(x).pow(2).mean().backward()
     whole = wrap.apply(copy.deepcopy(head), ["body.1"])
     assert_same_step(copy.deepcopy(head), whole, (x,), {})
+
+
+def test_a_way_the_same_as_one_offered_is_offered_once() -> None:
+    """Without batched matmuls the two ways keep the same outputs: the profile prices them
+    alike and the planning tree offers one; with ``bmm`` they differ and both are offered.
+    (RNG states counted, as a rehearsal counts them: the items' bytes are shifted by them.)"""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.out = nn.Linear(16, 16), nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = nn.functional.gelu(self.q(x))
+            return self.out(torch.bmm(q, q.transpose(1, 2)).sin().cos())
+
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.Tanh())
+    for inner, ways in ((mlp, 1), (Attention(), 2)):
+        model = nn.Sequential(nn.Linear(16, 16), inner, nn.Linear(16, 4))
+        prof = autoremat.profile(model, (torch.randn(4, 32, 16),))
+        one, bmm = prof["1"].way("selective"), prof["1"].way("selective-bmm")
+        assert (one.freed == bmm.freed and one.flops == bmm.flops) == (ways == 1)
+        item = next(i for i in planning_tree(prof, rng_state=5056).walk() if i.path == "1")
+        assert len(item.other_ways) == ways
