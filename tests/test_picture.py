@@ -24,6 +24,7 @@ from autoremat.picture.series import aligned, decimated, spans
 from autoremat.picture.step_figure import Curve, Span, StepFigure, frame_of, step_svg
 from autoremat.picture.svg import size_ticks
 from autoremat.training.scale_batch import scale_batch
+from autoremat.wrap.checkpointed import wrapped_paths
 from conftest import TINY
 
 
@@ -163,6 +164,24 @@ def test_plot_names_what_it_needs():
         autoremat.plot("plan", "x.html")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="does not exist"):
         autoremat.plot(plan, "/no/such/folder/x.html", model, args, kwargs)
+
+
+def test_plot_draws_a_plan_already_applied_and_leaves_it_applied(tmp_path):
+    model, args, kwargs = mlp()
+    plan = autoremat.plan(model, args, kwargs, budget="60%", objective="flops")
+    assert plan.modules
+    unwrapped = tmp_path / "unwrapped.html"
+    autoremat.plot(plan, unwrapped, model, args, kwargs)
+    plan.apply(model)
+    applied = tmp_path / "applied.html"
+    autoremat.plot(plan, applied, model, args, kwargs)
+    assert peaks(applied.read_text()) == peaks(unwrapped.read_text())
+    assert peaks(applied.read_text())["without"] == plan.baseline_peak
+    assert set(wrapped_paths(model)) == set(plan.modules)
+    other = autoremat.Plan(modules=(), strategy="budget", model_class="MLP")
+    with pytest.raises(ValueError, match=r"not this plan's.*autoremat\.remove"):
+        autoremat.plot(other, tmp_path / "other.html", model, args, kwargs)
+    assert set(wrapped_paths(model)) == set(plan.modules)
 
 
 @pytest.mark.slow

@@ -29,6 +29,8 @@ from autoremat.planning.rehearsal import PlanFields, Rehearsal
 from autoremat.record.step import LossFn, Step, step_autocast
 from autoremat.training.fit import Fit
 from autoremat.training.step_memory import StepMemory
+from autoremat.wrap.checkpointed import wrapped_paths
+from autoremat.wrap.wrapping import remove
 
 __all__ = ["fit_bars", "fit_page", "plan_traces", "plot", "step_figure", "step_page"]
 
@@ -47,12 +49,13 @@ def plot(
     """Write the picture of ``found`` to ``path`` (an HTML file) and return its path: a
     plan's step with and without it (give the ``model``, ``args``, ``kwargs``, ``loss_fn``
     and ``autocast`` it was planned with; ``measure``: the real step too), or a fit's batches.
-    The model is left as found.
+    The model is left as found: one the plan was applied to is unwrapped while the steps run
+    (the curve without recompute needs it so) and wrapped again after.
 
     Raises:
         TypeError: ``found`` is neither a Plan nor a Fit, or a plan without its model.
-        ValueError: the plan was made for another model (:meth:`Plan.check`), or the folder of
-            ``path`` does not exist.
+        ValueError: the plan was made for another model (:meth:`Plan.check`), the model has
+            other entries wrapped than the plan's, or the folder of ``path`` does not exist.
     """
     writable(path)
     if isinstance(found, Fit):
@@ -65,8 +68,21 @@ def plot(
             "plot(plan, path, model, args, kwargs, autocast=...) (a plan holds no model)"
         )
     found.check(model)
+    wrapped = wrapped_paths(model)
+    if wrapped and set(wrapped) != set(found.modules):
+        raise ValueError(
+            f"the model has entries wrapped ({', '.join(wrapped[:3])}) that are not this plan's "
+            f"({', '.join(found.modules[:3]) or 'none'}): draw the plan they were applied from, "
+            f"or unwrap the model first (autoremat.remove(model))"
+        )
     step = Step(model, args, kwargs or {}, loss_fn, step_autocast(autocast, model))
-    return write_page(path, step_page(found, step, measure))
+    if wrapped:
+        remove(model)
+    try:
+        return write_page(path, step_page(found, step, measure))
+    finally:
+        if wrapped:
+            found.apply(model)
 
 
 def plan_traces(plan: Plan, step: Step, measure: bool = False) -> dict[str, StepTrace]:

@@ -309,7 +309,8 @@ def _applied(model: nn.Module, plan: PlanFields | None) -> Iterator[None]:
     if plan is not None and already and set(already) != set(plan.modules):
         raise ValueError(
             f"{type(model).__name__} has other entries wrapped ({', '.join(already[:3])}) "
-            f"than the plan's: remove them (autoremat.remove) or pass the plan they are"
+            f"than the plan's: remove them (autoremat.remove) or pass the plan they were "
+            f"applied from"
         )
     ours = plan is not None and not already
     with torch.random.fork_rng(devices=[]), no_ambient_autocast():
