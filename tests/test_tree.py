@@ -83,10 +83,15 @@ def test_printing_shows_indented_paths_and_shapes():
     assert plan.modules == ("blocks.0", "blocks.1")
     shown = str(plan)
     assert shown.startswith(
-        "Plan for Net (levels, segments=1: the first level with more than 1 split points): "
+        "Plan for Net (levels, segments=1: the first level with more than 1 split point): "
         "recompute 2 modules"
     )
     assert "\n*   blocks.0: Sequential" in shown and "\n    head: Linear" in shown
+    run = autoremat.Plan(modules=("blocks.0[0:2]",), strategy="budget", model_class="Net",
+                         tree=tree)  # fmt: skip
+    shown = str(run)  # a run marks the children it recomputes, not their Sequential
+    assert "\n    blocks.0: Sequential" in shown and "\n*     blocks.0.0: Linear" in shown
+    assert "\n*     blocks.0.1:" in shown and "\n*     blocks.0.2:" not in shown
 
 
 def test_forward_failure_names_the_module():

@@ -260,14 +260,15 @@ class Plan:
     def __str__(self) -> str:
         lines = [self.summary()]
         if self.tree is not None:
-            lines += ["", self.tree.render(marked=frozenset(map(module_of, self.modules)))]
+            marked = frozenset(p for e in self.modules for p in covered(e))
+            lines += ["", self.tree.render(marked=marked)]
         return "\n".join(lines)
 
     def summary(self) -> str:
         """The header and :meth:`table`, without the tree."""
         how = {
             "levels": f"levels, segments={self.segments}: the first level with more than "
-            f"{self.segments} split points",
+            f"{self.segments} split point{'s' * (self.segments != 1)}",
             "budget": f"budget {format_size(self.budget)}" if self.budget else "budget",
         }.get(self.strategy, self.strategy)
         count = len(self.modules)
