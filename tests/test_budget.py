@@ -428,7 +428,7 @@ def test_a_checkpointed_forward_drops_what_its_finished_parts_saved():
         held_from=((1, -30), (2, 5)),
     )  # fmt: skip
     assert [r.held_at(p) for p in (1, 2)] == [7 - 30, 7 - 30 + 5]
-    assert r.held_in_backward == 7
+    assert r.held == 7
     forward = ((0, 10), (1, 50), (2, 80))
     after = ((1, 45), (3, 100))
     assert priced(after, [r], forward) == max(10, 50 - 23, 80 - 18, 45 + 7, 100 - 60)

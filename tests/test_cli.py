@@ -164,7 +164,7 @@ def test_the_levels_count_says_what_it_means(capsys):
     assert main(["plan", "gpt2", "--segments", "3"]) == 0
     three = capsys.readouterr().out
     assert "recompute 4 modules" in one and "recompute 4 modules" in three
-    assert "the first level with more than 1 split points" in one
+    assert "the first level with more than 1 split point" in one
 
 
 # --budget as the command line takes it ------------------------------------------------------

@@ -16,22 +16,22 @@ from autoremat.costs.timeline import Timeline
 from autoremat.record.recording import Recording
 from autoremat.record.tree import Node
 
-__all__ = ["alive_until_after", "charged_inputs", "same_storage"]
+__all__ = ["alive_until_after", "charged_inputs"]
 
 
 def charged_inputs(
     rec: Recording, line: Timeline, freers: dict[int, list[Node]]
-) -> dict[Node, dict[int, int]]:
-    """For each node, the inputs (storage -> bytes) its checkpoint keeps longer than they
+) -> dict[Node, int]:
+    """For each node, the bytes of the inputs its checkpoint keeps longer than they
     would otherwise live: those nothing inside it saved, but those alive until after its
     backward anyway (:func:`alive_until_after`; ``freers``:
     :func:`autoremat.costs.model.freers`)."""
-    found: dict[Node, dict[int, int]] = defaultdict(dict)
+    found: dict[Node, int] = defaultdict(int)
     for n in rec.tree.walk():
         for key, size in rec.input_keys[n].items():
             saved_inside = key in rec.savers and any(rec.within(p, n) for p in rec.savers[key][1])
             if not saved_inside and not alive_until_after(rec, line, n, n, key, freers[key]):
-                found[n][key] = size
+                found[n] += size
     return found
 
 
@@ -46,22 +46,11 @@ def alive_until_after(
     recompute would free it (``freers``, :func:`autoremat.costs.model.freers`) holds
     ``holder`` (it cannot be chosen with the checkpoint): a BERT layer's output block takes
     the attention's output, which the intermediate block's Linear saved."""
-    if first not in line.spans:
-        return False
-    if key in rec.output_keys[rec.tree] and same_storage(rec, key, -1, line.events[first][0]):
+    made = rec.made_at.get(key)
+    if key in rec.output_keys[rec.tree] and made and made[-1] <= line.events[first][0]:
         return True  # the model returns it (made before: the same storage) and holds it
     if key not in rec.savers:
         return False
     begin = line.spans[first][0]
-    earlier = any(s in line.spans and line.spans[s][1] < begin for s in rec.savers[key][1])
+    earlier = any(line.spans[s][1] < begin for s in rec.savers[key][1])
     return earlier and all(rec.within(holder, f) for f in freers)
-
-
-def same_storage(rec: Recording, key: int, since: int, until: int) -> bool:
-    """Whether the storage with ``key`` at event ``until`` is the one made before event
-    ``since`` (``-1``: the first made), no storage with that key made in between (a freed
-    storage's key can be reused)."""
-    made = rec.made_at.get(key, [])
-    if since < 0:
-        return bool(made) and made[-1] <= until
-    return not any(since < c <= until for c in made)

@@ -8,7 +8,7 @@ the reasoning and the measured error; in short, for a node checkpointed:
   its inputs nothing inside saved (the checkpoint keeps every input until the node's
   backward, longer than they would otherwise live): :func:`freed_bytes`; of those, under
   autocast, the weight casts autocast's cast cache keeps until the forward ends, freed only
-  after it: :func:`cached_bytes`; inputs alive until its backward anyway are not charged:
+  after it: :func:`freed_bytes`; inputs alive until its backward anyway are not charged:
   :mod:`autoremat.costs.inputs`;
 * **held during its forward**: those charged inputs from its start, less what its finished
   parts saved (a checkpointed forward drops it, :func:`released`), more, for a selective
@@ -36,12 +36,10 @@ __all__ = [
     "MAX_RUN",
     "Run",
     "Storages",
-    "cached_bytes",
     "freed_bytes",
     "freers",
     "held_from",
     "kept_cost",
-    "kept_let_go",
     "lowest_common",
     "recompute_peak",
     "released",
@@ -71,29 +69,22 @@ class Run:
     cached: int = 0
 
 
-def lowest_common(
-    nodes: set[Node], parent: dict[Node, Node | None], depth: dict[Node, int]
-) -> Node:
+def lowest_common(rec: Recording, nodes: set[Node]) -> Node:
     """The lowest common ancestor of ``nodes``: the smallest subtree that holds them all."""
-    found = list(nodes)
-    lca = found[0]
-    for other in found[1:]:
-        a, b = lca, other
-        while depth[a] > depth[b]:
-            a = parent[a]  # type: ignore[assignment]
-        while depth[b] > depth[a]:
-            b = parent[b]  # type: ignore[assignment]
-        while a is not b:
-            a, b = parent[a], parent[b]  # type: ignore[assignment]
-        lca = a
+    lca = next(iter(nodes))
+    while not all(rec.within(n, lca) for n in nodes):
+        lca = rec.family[0][lca]  # type: ignore[assignment]
     return lca
 
 
 def freed_bytes(
-    rec: Recording, freers: dict[int, list[Node]], charged: dict[Node, dict[int, int]]
+    rec: Recording, freers: dict[int, list[Node]], charged: dict[Node, int]
 ) -> tuple[dict[Node, int], dict[Node, int]]:
-    """Bytes each node's recompute would free (negative: would cost), and the part of the
-    cost that is its inputs (charged; held from its start).
+    """Bytes each node's recompute would free (negative: would cost), and the part of them
+    that stays live until the forward ends anyway: the casts autocast's cast cache keeps until
+    its region ends (:attr:`Recording.cached_casts`; a checkpointed forward casts its weights
+    as the step without recompute does), freed when backward begins unless a node that is
+    not recomputed saved it.
 
     Freed: storages saved for backward only inside the node's subtree, other than its inputs
     (``freers``: :func:`freers`). Cost: ``charged``, its inputs that nothing inside the subtree
@@ -102,40 +93,27 @@ def freed_bytes(
     the node's backward; such an input would otherwise have been freed sooner.
     """
     freed: dict[Node, int] = defaultdict(int)
-    held: dict[Node, int] = defaultdict(int)
+    cached: dict[Node, int] = defaultdict(int)
     for key, nodes in freers.items():
         for node in nodes:
             freed[node] += rec.savers[key][0]
-    for n, keys in charged.items():
-        freed[n] -= sum(keys.values())
-        held[n] += sum(keys.values())
-    return freed, held
+            cached[node] += rec.savers[key][0] if key in rec.cached_casts else 0
+    for n, size in charged.items():
+        freed[n] -= size
+    return freed, cached
 
 
 def freers(rec: Recording) -> dict[int, list[Node]]:
     """For each storage saved for backward, the nodes whose recompute frees it: those whose
     subtree holds every saver and that did not take it as an input."""
-    parent, depth = rec.family
+    parent = rec.family[0]
     found: dict[int, list[Node]] = defaultdict(list)
     for key, (_, who) in rec.savers.items():
-        node: Node | None = lowest_common(who, parent, depth)
+        node: Node | None = lowest_common(rec, who)
         while node is not None:
             if key not in rec.input_keys[node]:
                 found[key].append(node)
             node = parent[node]
-    return found
-
-
-def cached_bytes(rec: Recording, freers: dict[int, list[Node]]) -> dict[Node, int]:
-    """For each node, the part of what its recompute frees (:func:`freed_bytes`; ``freers``:
-    :func:`freers`) that stays live until the forward ends anyway: the casts autocast's cast
-    cache keeps until its region ends (:attr:`Recording.cached_casts`; a checkpointed forward
-    casts its weights as the step without recompute does). Such a cast is freed when backward
-    begins, unless a node that is not recomputed saved it."""
-    found: dict[Node, int] = defaultdict(int)
-    for key in rec.cached_casts & freers.keys():
-        for node in freers[key]:
-            found[node] += rec.savers[key][0]
     return found
 
 
@@ -155,15 +133,15 @@ def released(
     which the plan's run checks: it found a diffusers UNet's bf16 lowest plan the walk had
     priced 27% over its run).
     """
-    parent, depth = rec.family
+    parent = rec.family[0]
     found: dict[Node, list[tuple[int, int, int]]] = defaultdict(list)
     for key, (size, who) in rec.savers.items():
         if key in rec.cached_casts:  # autocast's cache keeps it until the forward ends
             continue
-        r: Node | None = lowest_common(who, parent, depth)
+        r: Node | None = lowest_common(rec, who)
         while r is not None and (key in rec.input_keys[r] or key in rec.output_keys[r]):
             r = parent[r]
-        if r is None or r not in ends:
+        if r is None:
             continue
         point = ends[r] + 1
         passed = _passed_between(rec, r, key, who, ends)
@@ -182,7 +160,7 @@ def _passed_between(
     """The point from which ``r``'s checkpointed forward no longer holds storage ``key``, one
     child made and only later ones took and saved: after the last of them ended (``None``:
     not so passed, or ``r``'s own ops saved it too)."""
-    kids = [c for c in r.children if c in ends]
+    kids = r.children
     if r in who or not any(key in rec.output_keys[c] for c in kids):
         return None
     last = max(ends[c] for c in kids if key in rec.input_keys[c] or key in rec.output_keys[c])
@@ -197,33 +175,23 @@ def _steps(changes: list[tuple[int, int]]) -> Steps:
     return tuple((p, b) for p, b in sorted(total.items()) if b)
 
 
-def kept_cost(rec: Recording, node: Node, kept: Storages) -> int:
+def kept_cost(rec: Recording, node: Node, kept: Storages) -> tuple[int, int]:
     """Bytes that a selective recompute of ``node`` frees less than a full one: the kept
     storages the full recompute would have freed (saved only inside it), and those nothing
-    saved (the cache holds them until the node's backward, when they would have been gone)."""
-    lost = 0
+    saved (the cache holds them until the node's backward, when they would have been gone);
+    and the other kept storages it holds in its cache when the recompute begins, where the
+    step without recompute had let them go (saved by later ops outside the node only, whose
+    backward ran first)."""
+    begins = rec.unpack_events.get(node, -1)
+    lost = let_go = 0
     for uid, (key, size) in kept.items():
         if key in rec.input_keys[node]:
             continue
         if all(rec.within(p, node) for p in rec.kept_savers.get(uid, ())):
             lost += size
-    return lost
-
-
-def kept_let_go(rec: Recording, node: Node, kept: Storages) -> int:
-    """Bytes of the kept storages that a selective recompute of ``node`` holds in its cache
-    when the recompute begins, where the step without recompute had let them go: saved by
-    later ops outside the node only (not in :func:`kept_cost`), whose backward ran first."""
-    begins = rec.unpack_events.get(node)
-    if begins is None:
-        return 0
-    return sum(
-        size
-        for uid, (key, size) in kept.items()
-        if key not in rec.input_keys[node]
-        and not all(rec.within(p, node) for p in rec.kept_savers.get(uid, ()))
-        and rec.kept_freed.get(uid, begins + 1) <= begins
-    )
+        elif rec.kept_freed.get(uid, begins + 1) <= begins:
+            let_go += size
+    return lost, let_go
 
 
 def held_from(
@@ -249,14 +217,16 @@ def held_from(
     )
 
 
-def recompute_peak(rec: Recording, line: Timeline, node: Node, freed: int, kept: Storages) -> int:
+def recompute_peak(
+    rec: Recording, line: Timeline, node: Node, freed: int, kept: Storages, let_go: int = 0
+) -> int:
     """The live bytes at the peak of a recompute of ``node`` that frees ``freed`` and, if
     selective, takes ``kept`` from its cache (0 when its backward never ran): when it begins,
-    those of the step without recompute less ``freed``; then, at each moment of its forward up
-    to its last save (where checkpoint's early stop ends the recompute), plus what the forward
-    had added since the node began, less the kept outputs made before that moment's stretch
-    (in the cache from the start, so counted already; those made in it count twice there: an
-    upper bound)."""
+    those of the step without recompute less ``freed``, more ``let_go`` (:func:`kept_cost`);
+    then, at each moment of its forward up to its last save (where checkpoint's early stop
+    ends the recompute), plus what the forward had added since the node began, less the kept
+    outputs made before that moment's stretch (in the cache from the start, so counted
+    already; those made in it count twice there: an upper bound)."""
     if node not in line.backward_now:
         return 0
     events = rec.events
@@ -271,10 +241,10 @@ def recompute_peak(rec: Recording, line: Timeline, node: Node, freed: int, kept:
             gone += births[b][1]
             b += 1
         most = max(most, peak - began - gone)
-    return line.backward_now[node] - freed + kept_let_go(rec, node, kept) + most
+    return line.backward_now[node] - freed + let_go + most
 
 
-def _chained_children(node: Node, line: Timeline) -> bool:
+def _chained_children(node: Node) -> bool:
     """Whether ``node`` is a plain ``nn.Sequential`` that ran once, whose children ran once
     each, in order."""
     kids = node.children
@@ -283,7 +253,7 @@ def _chained_children(node: Node, line: Timeline) -> bool:
         and type(node.module).forward is nn.Sequential.forward
         and len(kids) >= 2
         and [c.module for c in kids] == list(node.module._modules.values())
-        and all(c.calls == 1 and c in line.events for c in kids)
+        and all(c.calls == 1 for c in kids)
     )
 
 
@@ -299,7 +269,7 @@ def runs(
     backward first uses what any of its children saved, and ends at the last save of any.
     ``gone``: :func:`released`; a run drops, part-way, what its parent would drop inside the
     run's span. ``freers``: :func:`freers`."""
-    chained = [node for node in rec.tree.walk() if _chained_children(node, line)]
+    chained = [node for node in rec.tree.walk() if _chained_children(node)]
     return {node: tuple(_runs_of(rec, line, node, gone.get(node, []), freers)) for node in chained}
 
 
@@ -311,10 +281,6 @@ def _run_held_from(
     begin, stop = line.spans[kids[0]][0], line.spans[kids[-1]][1]
     inputs = rec.input_keys[kids[0]]
     return _steps([(p, -size) for p, key, size in gone if begin < p <= stop and key not in inputs])
-
-
-def _child_index(node: Node) -> dict[Node, int]:
-    return {c: k for k, c in enumerate(node.children)}
 
 
 def _child_of(rec: Recording, node: Node, index: dict[Node, int], inner: Node) -> int:
@@ -330,8 +296,8 @@ def _child_of(rec: Recording, node: Node, index: dict[Node, int], inner: Node) -
 def _gains(rec: Recording, node: Node) -> tuple[list[list[int]], list[list[int]]]:
     """``gain[i][j]``: bytes saved only inside children ``i..j-1`` that run ``[i:j)`` frees,
     counted at the shortest run that holds every saver; and the part of it that autocast's
-    cast cache keeps until the forward ends (:func:`cached_bytes`)."""
-    kids, index = node.children, _child_index(node)
+    cast cache keeps until the forward ends (:func:`freed_bytes`)."""
+    kids, index = node.children, {c: k for k, c in enumerate(node.children)}
     gain = [[0] * (len(kids) + 1) for _ in kids]
     cached = [[0] * (len(kids) + 1) for _ in kids]
     for key, (size, who) in rec.savers.items():
@@ -352,17 +318,13 @@ def _charges(
 ) -> list[int]:
     """``charges[j]``: inputs of child ``i`` that no child in ``[i:j)`` saves, for every j,
     but those alive until after the run's backward anyway (:func:`alive_until_after`)."""
-    kids, index = node.children, _child_index(node)
+    kids, index = node.children, {c: k for k, c in enumerate(node.children)}
     n = len(kids)
     charges = [0] * (n + 1)
     for key, size in rec.input_keys[kids[i]].items():
         if alive_until_after(rec, line, kids[i], node, key, freers.get(key, [])):
             continue
-        users = (
-            [_child_of(rec, node, index, p) for p in rec.savers[key][1]]
-            if key in rec.savers
-            else []
-        )
+        users = [_child_of(rec, node, index, p) for p in rec.savers.get(key, (0, ()))[1]]
         first = min([u for u in users if u >= i], default=n)
         for j in range(i + 1, min(first + 1, n + 1)):
             charges[j] += size

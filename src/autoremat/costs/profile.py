@@ -83,7 +83,7 @@ META_BYTES_PER_SECOND = META_FLOPS_PER_SECOND / COST_PER_BYTE
 @dataclass(frozen=True)
 class WayCost:
     """One way to recompute a node selectively (``way``, a key of
-    :data:`autoremat.core.selective.WAYS`, keeping the outputs of ``save_ops``): what it frees, the
+    :data:`autoremat.core.selective.WAYS`): what it frees, the
     FLOPs, bytes and op seconds it runs again, how what it holds during the node's forward
     changes, and its recompute's peak (as :class:`NodeCost`'s fields of the same names; the
     peak also counts, at each moment of the recompute, the cached outputs nothing saves that
@@ -95,7 +95,6 @@ class WayCost:
     mutated"), so the planner does not offer this way."""
 
     way: str
-    save_ops: tuple[str, ...]
     freed: int
     flops: int
     written: int
@@ -131,7 +130,7 @@ class NodeCost:
     ``ops`` is the number of op calls of the node's forward and ``op_seconds`` their time.
     ``cached``: the part of ``freed`` that stays live until the forward ends whether or not
     the node is checkpointed (under autocast, the weight casts autocast's cast cache keeps
-    until its region ends, :func:`autoremat.costs.model.cached_bytes`): recomputing the node
+    until its region ends, :func:`autoremat.costs.model.freed_bytes`): recomputing the node
     frees ``freed - cached`` at the points of the forward after it, ``freed`` after the
     forward.
     """
@@ -326,7 +325,7 @@ def _profile(
     rec = record_step(model, args, kwargs, modules, loss_fn, meta, autocast, hf_cache)
     tree = rec.tree
     line = timeline(tree, rec.events, {p: now for p, (_, now) in rec.unpacked.items()})
-    times = _Times(meta=meta or not timed)
+    times = _Times()
     if not meta and timed:
         nodes = {id(n.module): (n.module_path, n.module, n.calls) for n in tree.walk()}
         times.forward, times.ops = time_forward(
@@ -353,7 +352,6 @@ class _Times:
     """What was timed: forward seconds per node, op seconds per (node, way or ""), per-op
     overheads; on ``meta``, estimates from FLOPs and bytes written."""
 
-    meta: bool
     forward: dict[str, float] | None = None
     ops: dict[tuple[str, str], float] | None = None
     overheads: tuple[float, float] = DEFAULT_OVERHEADS
@@ -375,11 +373,9 @@ class _Assembly:
     def __init__(self, rec: Recording, line: Timeline, times: _Times) -> None:
         self.rec, self.line, self.times = rec, line, times
         freers = cost_model.freers(rec)
-        charged = inputs.charged_inputs(rec, line, freers)
-        self.freed, self.charged = cost_model.freed_bytes(rec, freers, charged)
-        self.cached = cost_model.cached_bytes(rec, freers)
-        ends = {node: end for node, (_, end) in line.spans.items()}
-        self.released = cost_model.released(rec, ends)
+        self.charged = inputs.charged_inputs(rec, line, freers)
+        self.freed, self.cached = cost_model.freed_bytes(rec, freers, self.charged)
+        self.released = cost_model.released(rec, {n: end for n, (_, end) in line.spans.items()})
         self.runs = cost_model.runs(rec, line, self.released, freers)
         self.found: dict[Node, NodeCost] = {}
 
@@ -405,8 +401,7 @@ class _Assembly:
             self._way(node, m, way, kept[way], (flops, written, seconds), kids)
             for m, way in enumerate(WAYS)
         )
-        path = node.path
-        params = {id(p): p for p in node.module.parameters()}
+        path, line = node.path, self.line
         self.found[node] = NodeCost(
             path=path,
             saved=self.rec.own_saved[node] + sum(k.saved for k in kids),
@@ -416,12 +411,12 @@ class _Assembly:
             seconds=self.times.forward_time(path, flops),
             input_bytes=node.input_bytes,
             output_bytes=node.output_bytes,
-            param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+            param_bytes=sum(p.numel() * p.element_size() for p in node.module.parameters()),
             calls=node.calls,
             freed=self.freed[node],
             start=self.line.spans[node][0],
             end=self.line.spans[node][1],
-            recompute_peak=self._peak(node, self.freed[node], {}),
+            recompute_peak=cost_model.recompute_peak(self.rec, line, node, self.freed[node], {}),
             runs=self.runs.get(node, ()),
             written=written,
             held=self.charged[node],
@@ -432,9 +427,6 @@ class _Assembly:
             cached=self.cached[node],
         )
         return kept
-
-    def _peak(self, node: Node, freed: int, kept: Storages) -> int:
-        return cost_model.recompute_peak(self.rec, self.line, node, freed, kept)
 
     def _way(
         self,
@@ -454,15 +446,17 @@ class _Assembly:
         kept_seconds = self.times.op_time(node.path, way, mine.flops, mine.written) + sum(
             k.op_seconds - k.ways[m].op_seconds for k in kids
         )
-        freed = self.freed[node] - cost_model.kept_cost(self.rec, node, kept)
+        lost, let_go = cost_model.kept_cost(self.rec, node, kept)
+        freed = self.freed[node] - lost
         return WayCost(
             way=way,
-            save_ops=WAYS[way],
             freed=freed,
             flops=flops - kept_flops,
             written=written - kept_written,
             held_from=cost_model.held_from(self.rec, self.line, self.released[node], kept),
-            recompute_peak=self._peak(node, freed, kept),
+            recompute_peak=cost_model.recompute_peak(
+                self.rec, self.line, node, freed, kept, let_go
+            ),
             op_seconds=max(0.0, seconds - kept_seconds),
             kept_changed=any(uid in self.rec.changed for uid in kept),
         )

@@ -10,6 +10,7 @@ are kept apart from those after it.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from autoremat.record.recording import Event
@@ -48,10 +49,9 @@ def timeline(tree: Node, events: list[Event], unpacked: dict[Node, int]) -> Time
             first_start.setdefault(node, i)
     order = sorted(last_end, key=last_end.__getitem__)
     index = {node: k for k, node in enumerate(order)}
-    ended_before = _ended_before(sorted(last_end.values()), len(events))
-    spans = {
-        n: (ended_before[first_start[n]], index[n]) for n in tree.walk() if n in last_end
-    }
+    ends = sorted(last_end.values())
+    ended_before = [bisect_left(ends, i) for i in range(len(events) + 1)]
+    spans = {n: (ended_before[first_start[n]], index[n]) for n in tree.walk()}
     forward, backward, backward_now = _points(events, index, ended_before, unpacked)
     return Timeline(
         spans=spans,
@@ -63,17 +63,6 @@ def timeline(tree: Node, events: list[Event], unpacked: dict[Node, int]) -> Time
     )
 
 
-def _ended_before(ends: list[int], count: int) -> list[int]:
-    """``found[i]``: how many of the sorted event indices ``ends`` are below ``i``."""
-    found = [0] * (count + 1)
-    j = 0
-    for i in range(count + 1):
-        while j < len(ends) and ends[j] < i:
-            j += 1
-        found[i] = j
-    return found
-
-
 def _points(
     events: list[Event], index: dict[Node, int], ended_before: list[int], unpacked: dict[Node, int]
 ) -> tuple[Points, Points, dict[Node, int]]:
@@ -82,15 +71,13 @@ def _points(
     loss_at = next(i for i, e in enumerate(events) if e[0] == "loss")
     peaks: tuple[dict[int, int], dict[int, int]] = ({}, {})
     backward_now: dict[Node, int] = {}
-    started = [False] * len(index)
     prefix = len(index)  # nodes 0..prefix-1 have all not begun their backward
     for i, (kind, node, peak, now) in enumerate(events):
         # the peak was reached in the interval that ends with event i
         p = ended_before[i] if i <= loss_at else prefix
         phase = peaks[0 if i <= loss_at else 1]
         phase[p] = max(phase.get(p, 0), peak)
-        if kind == "backward" and node in index and not started[index[node]]:
-            started[index[node]] = True
+        if kind == "backward" and node in index and node not in backward_now:
             prefix = min(prefix, index[node])
             backward_now[node] = unpacked.get(node, now)
     forward, backward = (tuple(sorted(phase.items())) for phase in peaks)

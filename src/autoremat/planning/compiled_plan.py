@@ -27,7 +27,7 @@ from autoremat.planning.strategy import Request
 from autoremat.record.compiled import running_eagerly
 from autoremat.record.measure import measure
 from autoremat.record.snapshot import preserved
-from autoremat.record.step import LossFn, default_loss, leaf_inputs, train_step
+from autoremat.record.step import LossFn, leaf_inputs, train_step
 from autoremat.wrap.wrapping import apply, remove
 
 __all__ = ["CompiledRehearsal", "compiled_peak", "compiled_plan"]
@@ -56,9 +56,6 @@ def compiled_peak(
         ValueError: the entries do not fit ``model`` (see :func:`autoremat.wrap.apply`).
         Exception: whatever compiling or the step raises.
     """
-    kwargs = {} if kwargs is None else kwargs
-    loss_fn = default_loss if loss_fn is None else loss_fn
-    args = args if isinstance(args, tuple) else (args,)
     with preserved(model, leaf_inputs(args, kwargs)):
         apply(model, chosen.modules, selective=chosen.selective or {}, calls=chosen.calls)
         try:

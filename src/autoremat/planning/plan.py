@@ -78,7 +78,7 @@ def activation_plan(
     to say is in :attr:`Plan.warnings` (:func:`autoremat.plan` logs it).
 
     Raises:
-        ValueError: ``segments`` negative; both ``segments`` and ``budget``; a malformed or
+        ValueError: ``segments`` negative; a malformed or
             non-positive budget (the message lists the accepted forms); a budget below the
             lowest peak any plan reaches (:class:`autoremat.BudgetTooLow`,
             whose ``lowest`` is that peak); no submodule ran.
@@ -109,11 +109,6 @@ def _made(model: nn.Module, strategy: str, tree: Node | None, fields: dict[str, 
 def _strategy_for(request: Request) -> tuple[Strategy, Request]:
     """The strategy ``request`` selects (levels with the default count when it names none),
     and the request as that strategy checked it."""
-    if request.segments is not None and request.budget is not None:
-        raise ValueError(
-            "segments and budget are mutually exclusive: pass segments=K for the levels "
-            "strategy, or budget=... for the memory-budget strategy"
-        )
     if request.budget is None and request.segments is None:
         request = dataclasses.replace(request, segments=levels_strategy.DEFAULT_SEGMENTS)
     strategy = STRATEGIES["budget" if request.budget is not None else "segments"]

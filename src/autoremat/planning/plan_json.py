@@ -78,7 +78,7 @@ MAX_COUNT = 2**63 - 1
 # characters, plus the paths it names).
 MAX_REASON_CHARS = 4096
 _FIX = "re-make the plan with autoremat.plan(model, ...) and save it with Plan.save"
-_KIND_NAMES = {"str": "a string", "int": "an integer", "list": "a list", "dict": "an object"}
+_KIND_NAMES = {str: "a string", int: "an integer", list: "a list", dict: "an object"}
 # For the scan before parsing: every byte but brackets and quotes deleted, "{}" made "[]";
 # then strings (without their escapes) dropped, a chunk at a time.
 _BRACKETS = bytes.maketrans(b"{}", b"[]")
@@ -219,7 +219,8 @@ def fields_from_dict(data: Any, where: str = "the data") -> dict[str, Any]:
     if not model_class.isidentifier():
         raise bad(f"field 'model_class' is {_shown(model_class)}, expected a class name")
     lines = _structure(fields)
-    modules = _modules(fields, lines)
+    paths = {line.rpartition(" ")[0] for line in lines}
+    modules = _modules(fields, paths)
     selective = _selective(fields, modules)
     objective = data.get("objective")
     if objective is not None and objective not in OBJECTIVES:
@@ -237,8 +238,8 @@ def fields_from_dict(data: Any, where: str = "the data") -> dict[str, Any]:
         "recompute_seconds": fields.seconds("recompute_seconds"),
         "choices": _choices(fields, modules, selective),
         "selective": selective,
-        "left_out": _left_out(fields, lines),
-        "calls": _calls(fields, lines, modules),
+        "left_out": _left_out(fields, paths),
+        "calls": _calls(fields, paths, modules),
         "fingerprint": data["fingerprint"],
         "structure": lines,
     }
@@ -257,7 +258,9 @@ class _Fields:
         if value is None and optional:
             return None
         if isinstance(value, bool) or not isinstance(value, kind):
-            raise self.bad(f"field {key!r} is {_shown(value)}, expected {_kind_name(kind)}")
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            expected = " or ".join(_KIND_NAMES[k] for k in kinds)
+            raise self.bad(f"field {key!r} is {_shown(value)}, expected {expected}")
         return value
 
     def strings(self, key: str) -> tuple[str, ...]:
@@ -277,11 +280,6 @@ class _Fields:
         if value is not None and not _is_seconds(value):
             raise self.bad(f"field {key!r} is {_shown(value)}, expected a finite number >= 0")
         return value
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(_KIND_NAMES.get(k.__name__, k.__name__) for k in kinds)
 
 
 def _is_seconds(value: Any) -> bool:
@@ -330,11 +328,10 @@ def _structure(fields: _Fields) -> tuple[str, ...]:
     return lines
 
 
-def _modules(fields: _Fields, lines: tuple[str, ...]) -> tuple[str, ...]:
-    """The plan's entries, each a module of ``lines`` or a run within its children, and none
+def _modules(fields: _Fields, paths: set[str]) -> tuple[str, ...]:
+    """The plan's entries, each a module of ``paths`` or a run within its children, and none
     inside another; runs are checked arithmetically, never expanded."""
     modules = fields.strings("modules")
-    paths = {line.rpartition(" ")[0] for line in lines}
     children: dict[str, int] = {}
     for path in paths:
         if path:
@@ -388,7 +385,7 @@ def _selective(fields: _Fields, modules: tuple[str, ...]) -> dict[str, tuple[str
             raise fields.bad(f"field 'selective', entry {_shown(entry)}: {e}") from None
         selective[entry] = checked[id(ops)]
     known = set(modules)
-    odd = [e for e in selective if not isinstance(e, str) or e not in known or parse_run(e)]
+    odd = [e for e in selective if e not in known or parse_run(e)]
     if odd:
         raise fields.bad(
             f"field 'selective': entries {_shown(odd[:5])} are not module paths or calls among "
@@ -397,12 +394,11 @@ def _selective(fields: _Fields, modules: tuple[str, ...]) -> dict[str, tuple[str
     return selective
 
 
-def _calls(fields: _Fields, lines: tuple[str, ...], modules: tuple[str, ...]) -> dict[str, int]:
+def _calls(fields: _Fields, paths: set[str], modules: tuple[str, ...]) -> dict[str, int]:
     """The calls each module named by call entries made when the plan was made: modules of
-    ``lines``, counts above every call index the entries name; empty when the field is
+    ``paths``, counts above every call index the entries name; empty when the field is
     missing (plans saved before it existed)."""
     raw = fields.get("calls", dict) if "calls" in fields.data else {}
-    paths = {line.rpartition(" ")[0] for line in lines}
     for path, count in raw.items():
         if path not in paths or not _is_count(count) or count < 1:
             raise fields.bad(
@@ -424,16 +420,11 @@ def _calls(fields: _Fields, lines: tuple[str, ...], modules: tuple[str, ...]) ->
     return dict(raw)
 
 
-def _left_out(fields: _Fields, lines: tuple[str, ...]) -> dict[str, str]:
-    """The modules the strategy left out, each a module of ``lines`` mapped to a reason of
+def _left_out(fields: _Fields, paths: set[str]) -> dict[str, str]:
+    """The modules the strategy left out, each a module of ``paths`` mapped to a reason of
     at most :data:`MAX_REASON_CHARS` characters; empty when the field is missing (plans saved
     before it existed)."""
-    if "left_out" not in fields.data:
-        return {}
-    raw = fields.get("left_out", dict)
-    if not raw:
-        return {}
-    paths = {line.rpartition(" ")[0] for line in lines}
+    raw = fields.get("left_out", dict) if "left_out" in fields.data else {}
     for path, why in raw.items():
         if path not in paths:
             raise fields.bad(

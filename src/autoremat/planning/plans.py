@@ -13,7 +13,7 @@ import bisect
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from torch import nn
@@ -153,11 +153,7 @@ class Plan:
             "recompute_flops": self.recompute_flops,
             "objective": self.objective,
             "recompute_seconds": self.recompute_seconds,
-            "choices": [
-                {"path": c.path, "freed": c.freed, "flops": c.flops, "way": c.way}
-                | {"seconds": c.seconds}
-                for c in self.choices
-            ],
+            "choices": [asdict(c) for c in self.choices],
             "selective": {path: list(ops) for path, ops in self.selective.items()},
             "left_out": dict(self.left_out),
             "calls": dict(self.calls),

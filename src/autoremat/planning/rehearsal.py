@@ -283,9 +283,8 @@ def _watching(watch: Watch | None, model: nn.Module, tracked: Any) -> Any:
 
 
 def _device_of(step: Step) -> torch.device:
-    for t in [*step.model.parameters(), *(t for _, t in iter_tensors((step.args, step.kwargs)))]:
-        return t.device
-    return torch.device("cpu")
+    tensors = [*step.model.parameters(), *(t for _, t in iter_tensors((step.args, step.kwargs)))]
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _fake(value: Any) -> Any:

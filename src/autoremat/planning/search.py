@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from autoremat.planning.solver import Infeasible, Item, min_peak, solve, walk_peak
 
@@ -56,7 +56,6 @@ class Walk:
     root: Item
     after: Sequence[tuple[int, int]]
     forward: Sequence[tuple[int, int]] = ()
-    _lowest: int | None = field(default=None, init=False, repr=False)
 
     @functools.cached_property
     def top(self) -> int:
@@ -74,11 +73,10 @@ class Walk:
         """The peak the walk prices for ``chosen`` (at most the limit it was proposed at)."""
         return walk_peak(chosen, self.after, self.forward)
 
+    @functools.cached_property
     def lowest(self) -> int:
         """The lowest limit the walk meets (:func:`min_peak`), found once."""
-        if self._lowest is None:
-            self._lowest = min_peak(self.root, self.after, self.forward)
-        return self._lowest
+        return min_peak(self.root, self.after, self.forward)
 
 
 def cost(chosen: Chosen) -> float:
@@ -86,15 +84,15 @@ def cost(chosen: Chosen) -> float:
     return sum(i.cost for i in chosen)
 
 
-def cheapest(walk: Walk, limit: int, judge: Judge, tries: int = TRIES) -> Chosen | None:
+def cheapest(walk: Walk, limit: int, judge: Judge) -> Chosen | None:
     """The cheapest plan found that ``judge`` says fits (module docstring), starting from the
-    walk's plan at ``limit``; ``None`` when none did within ``tries`` runs."""
+    walk's plan at ``limit``; ``None`` when none did within :data:`TRIES` runs."""
     best: Chosen | None = None
     fits: int | None = None  # the highest walk limit whose plan fitted
     over: int | None = None  # the lowest whose plan did not
     tolerance = max(4096, int(limit * SLACK))
     at, seen = limit, set()
-    for _ in range(tries):
+    for _ in range(TRIES):
         chosen = walk.plan(at)
         if chosen is None or tuple(map(id, chosen)) in seen:
             break
@@ -134,7 +132,7 @@ def lowest(
     :func:`floor` is not below the least peak run so far cannot be lower, and is not run; the
     walk's plan runs first (the likeliest lowest), then the others by their floors."""
     candidates = [(), *seeds]
-    found = walk.plan(walk.lowest())
+    found = walk.plan(walk.lowest)
     if found is not None:
         candidates.insert(0, found)
     if bounded:

@@ -14,7 +14,7 @@ number (:mod:`autoremat.planning.search`). ``docs/cost-model.md`` gives the mode
   Recomputing a set ``S``, never one inside another, lowers that moment by what the nodes of
   ``S`` ended before it free; a node's backward brings its activations back. Inside a chosen
   node's span a point holds :meth:`Item.held_at` more in its forward,
-  :attr:`Item.held_in_backward` more after it; its recompute adds the point
+  :attr:`Item.held` more after it; its recompute adds the point
   ``(start, recompute_peak)``.
 
 The walk is a dynamic programme over the tree in execution order whose state is the set of
@@ -70,7 +70,9 @@ class Item:
     runs: tuple[RunCost, ...] = ()
     written: int = 0  # bytes the recompute's ops write
     # bytes it keeps alive during its own forward beyond the step without recompute (inputs
-    # the checkpoint holds): added to the points inside its span; and how that changes
+    # the checkpoint holds): added to the points inside its span, and to those of its
+    # backward (start <= p <= end: its recompute has brought back all its forward dropped,
+    # and handed over what a selective recompute cached); and how that changes
     # part-way, (point, bytes) from that point on (what its finished parts saved, dropped by
     # the checkpoint: negative; a selective recompute's cached outputs: positive)
     held: int = 0
@@ -125,18 +127,6 @@ class Item:
         while this item's checkpointed forward runs (fewer when negative)."""
         return self.held + sum(b for p, b in self.held_from if p <= point)
 
-    @property
-    def held_in_backward(self) -> int:
-        """The bytes more than the step without recompute live at the points of its backward
-        (``start <= p <= end`` after the forward): ``held``. Its recompute has brought back all
-        its forward dropped, and handed over what a selective recompute cached
-        (``torch.utils.checkpoint``'s cache gives each output up as the recompute reaches
-        it). The point ``start`` counts too: the backward of the node's own ops before its
-        first child (all of a node whose modules run no child) is there, and the
-        checkpoint holds the inputs until that ends (an upper bound at the moments of
-        ``start`` after it)."""
-        return self.held
-
     def worst_inside(self, forward: Sequence[int], backward: Sequence[int]) -> tuple[int, int]:
         """The most bytes live at the points inside the span when this item is checkpointed,
         in its forward and after it, given the most live at each point ``p`` in the step
@@ -146,7 +136,7 @@ class Item:
         stop = min(self.end + 1, len(forward), len(backward))
         if self.start < stop:
             most = max(backward[self.start : stop])
-            after = most + self.held_in_backward if most > NONE else NONE
+            after = most + self.held if most > NONE else NONE
         for p, b in (*self.held_from, (stop, 0)):
             if p > begin and begin < stop:
                 most = max(forward[begin : min(p, stop)])
@@ -356,12 +346,9 @@ class _Solver:
             return self.check(states, item.start, item.end)
         kids = item.children
         runs: dict[int, list[tuple[int, Item]]] = {}
-        for i, j, freed, flops, peak, held, held_from, cached in (
-            item.runs if item.candidate else ()
-        ):
-            if freed > 0:
-                run = item.run_item(i, j, freed, flops, peak, held, held_from, cached)
-                runs.setdefault(i, []).append((j, run))
+        for r in item.runs if item.candidate else ():
+            if r[2] > 0:  # (it frees something)
+                runs.setdefault(r[0], []).append((r[1], item.run_item(*r)))
         # arriving[k]: states that have passed children 0..k-1 (k = len(kids): all of them)
         arriving: list[list[list[_State]]] = [[] for _ in range(len(kids) + 1)]
         arriving[0] = [states]
@@ -387,9 +374,7 @@ def walk_peak(
 ) -> int:
     """The peak the walk prices for recomputing ``chosen`` (never one inside another): what
     :func:`solve` keeps at most its budget (module docstring); the profiled peak for none."""
-    after = [
-        (p, b + sum(s.held_in_backward for s in chosen if s.start <= p <= s.end)) for p, b in points
-    ]
+    after = [(p, b + sum(s.held for s in chosen if s.start <= p <= s.end)) for p, b in points]
     after += [(s.start, s.recompute_peak) for s in chosen]
     during = [
         (p, b + sum(s.held_at(p) for s in chosen if s.start < p <= s.end)) for p, b in forward

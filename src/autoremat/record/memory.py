@@ -89,8 +89,6 @@ def block_bytes(nbytes: int, block: int = 1) -> int:
     """The bytes an allocator that rounds every allocation up to a multiple of ``block``
     (at least one block; nothing for an empty storage) gives ``nbytes``: ``block=1`` the bytes
     themselves, :data:`CUDA_BLOCK` what the CUDA caching allocator counts as allocated."""
-    if nbytes <= 0 or block <= 1:
-        return max(nbytes, 0)
     return -(-nbytes // block) * block
 
 
@@ -223,17 +221,15 @@ class LiveMemory(TorchDispatchMode):
         return out
 
     def _add(self, st: torch.UntypedStorage, inputs: set[int], name: str) -> None:
-        key = id(st)
+        key, size = id(st), block_bytes(st.nbytes(), self.block)
         entry = self._live.get(key)
         if entry is not None:
-            size = block_bytes(st.nbytes(), self.block)
             if size != entry[1]:  # resized by the op (an out= argument)
                 self._change(entry[2], size - entry[1])
                 entry[1] = size
             return
         if key in inputs:
             return  # an input's storage that existed before the mode was entered
-        size = block_bytes(st.nbytes(), self.block)
         ref = weakref.ref(st, self._freed_callback(key))
         self._live[key] = [ref, size, name]
         self.allocated += size
@@ -341,13 +337,8 @@ def _without_kineto_markers() -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
             caught.seek(0)
-            kept = [line for line in caught if not line.startswith(_KINETO_MARKER)]
-            _write_all(2, b"".join(kept))
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    while data:
-        data = data[os.write(fd, data) :]
+            with open(2, "wb", closefd=False) as stderr:  # (writes it all)
+                stderr.writelines(line for line in caught if not line.startswith(_KINETO_MARKER))
 
 
 def cpu_allocator_countable(device: torch.device) -> bool:
@@ -380,14 +371,13 @@ class CpuAllocatorMemory:
         self.peak = 0
         self.marks: dict[str, int] = {}
         self.highs: dict[str, int] = {}
-        self._labels: list[str] = []
         self._profile: Any = None
 
     def __enter__(self) -> CpuAllocatorMemory:
         from torch.profiler import ProfilerActivity, profile
 
         self.current = self.peak = 0
-        self.marks, self.highs, self._labels = {}, {}, []
+        self.marks, self.highs = {}, {}
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with _without_kineto_markers():
             self._profile.__enter__()

@@ -44,7 +44,6 @@ __all__ = [
     "OwnOps",
     "Recording",
     "SelfCheckpointingError",
-    "lineage",
     "new_storages",
     "record_step",
 ]
@@ -122,8 +121,14 @@ class Recording:
 
     @functools.cached_property
     def family(self) -> tuple[dict[Node, Node | None], dict[Node, int]]:
-        """Each node's parent and depth (:func:`lineage` of the tree), worked out once."""
-        return lineage(self.tree)
+        """Each node's parent (``None`` for the root) and depth, worked out once."""
+        parent: dict[Node, Node | None] = {self.tree: None}
+        depth: dict[Node, int] = {self.tree: 0}
+        for node in self.tree.walk():
+            for child in node.children:
+                parent[child] = node
+                depth[child] = depth[node] + 1
+        return parent, depth
 
     def within(self, inner: Node, outer: Node) -> bool:
         """Whether node ``inner`` is ``outer`` or a node of its subtree."""
@@ -154,7 +159,6 @@ class OpCosts(TorchDispatchMode):
         self.cast_dtype = cast_dtype  # the autocast's lower precision (None: no autocast)
         self.cached: set[int] = set()  # storage keys of the casts autocast's cache keeps
         self.kept = KeptOutputs(clock)
-        self.ops = 0  # ops run while counting
         self.counting = True
         self.keep = {way: resolve(ops) for way, ops in WAYS.items()}
         # storage key -> the clock each time a storage with that key was made
@@ -166,7 +170,6 @@ class OpCosts(TorchDispatchMode):
             return func(*args, **kwargs)
         ways = [way for way, packets in self.keep.items() if keeps(func, args, kwargs, packets)]
         out = func(*args, **kwargs)
-        self.ops += 1
         own = self.own[self.stack[-1]]
         if func._schema.is_mutable:
             self.kept.changes(func, args, kwargs)
@@ -186,7 +189,11 @@ class OpCosts(TorchDispatchMode):
         own.ops += 1
         if ways:
             uids = self.kept.made(new)
-            self._keep(ways, own, flops, written, new, uids)
+            for way in ways:
+                kept = own.kept[way]
+                kept.flops += flops
+                kept.written += written
+                kept.storages.update((uids[key], (key, size)) for key, size in new.items())
             self.kept.watch(out, dict(uids))
         return out
 
@@ -207,16 +214,6 @@ class OpCosts(TorchDispatchMode):
             and not source._is_view()
         )
 
-    def _keep(self, ways: list[str], own: OwnOps, flops: int, written: int,
-              new: dict[int, int], uids: dict[int, int]) -> None:  # fmt: skip
-        """Add an op the selective ``ways`` keep to ``own``'s: its FLOPs, bytes written and
-        new storages ``new`` (key -> bytes), by id (``uids``, by key)."""
-        for way in ways:
-            kept = own.kept[way]
-            kept.flops += flops
-            kept.written += written
-            kept.storages.update((uids[key], (key, size)) for key, size in new.items())
-
 
 def new_storages(seen: set[int | None], out: Any) -> dict[int, int]:
     """The storages an op's outputs hold that its inputs (``seen``: their storage keys) did
@@ -227,17 +224,6 @@ def new_storages(seen: set[int | None], out: Any) -> dict[int, int]:
         if key is not None and key not in seen and key not in new:
             new[key] = t.untyped_storage().nbytes()
     return new
-
-
-def lineage(tree: Node) -> tuple[dict[Node, Node | None], dict[Node, int]]:
-    """Each node's parent (``None`` for the root) and depth."""
-    parent: dict[Node, Node | None] = {tree: None}
-    depth: dict[Node, int] = {tree: 0}
-    for node in tree.walk():
-        for child in node.children:
-            parent[child] = node
-            depth[child] = depth[node] + 1
-    return parent, depth
 
 
 class _Recorder:
@@ -260,7 +246,6 @@ class _Recorder:
         self.parent: dict[Node, Node | None] = {self.root: None}
         # grad_fns whose post-hook marks when they have run: id -> (the grad_fn, its saver)
         self.hooked: dict[int, tuple[Any, Node]] = {}
-        self.calls: list[Node] = [self.root]
         self.modules = {id(n.module): n for n in tree.walk()}
         self.count: dict[int, int] = defaultdict(int)
         self.preexisting = frozenset(
@@ -363,7 +348,6 @@ class _Recorder:
             call = _call_of(self.modules[id(module)], k, inputs)
             self.parent[call] = caller = self.stack[-1]
             caller.children.append(call)
-            self.calls.append(call)
         self.mark("start", call)
         self.stack.append(call)
         self.rec.input_keys[call].update(
@@ -395,7 +379,7 @@ class _Recorder:
         """The recording, each call named as a profile names it: ``path@k`` when its module
         ran several times, its path when once."""
         self.mark("done", self.root)
-        for call in self.calls:
+        for call in self.root.walk():
             call.calls = self.count[id(call.module)]
             if call.calls == 1:
                 call.path, call.call = call.module_path, None
@@ -446,13 +430,12 @@ def record_step(
     dtype = autocast[1] if autocast is not None else None
     rec = _Recorder(model, tree, inputs, dtype)
     handles = []
-    modules = list({id(n.module): n.module for n in tree.walk()}.values())
     positions = ordinary_positions_on_meta() if meta else contextlib.nullcontext()
     cache_off = contextlib.nullcontext() if hf_cache else cache_off_in_training(model)
     saved = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
     try:
         with preserved(model, leaf_inputs(args, kwargs)), cache_off, positions:
-            for m in modules:
+            for m in (n.module for n in rec.modules.values()):
                 handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))
                 handles.append(m.register_forward_hook(rec.leave, with_kwargs=True))
             with rec.memory, rec.costs, saved, mask_answers(rec.rec.mask_answers):

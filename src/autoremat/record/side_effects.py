@@ -130,30 +130,16 @@ class _Ref:
         mine = self.target()
         return mine is not None and mine is other.target() and self.version == other.version
 
-    def __eq__(self, other: object) -> bool:
+    def __eq__(self, other: object) -> bool:  # (and so unhashable)
         return isinstance(other, _Ref) and self.same(other)
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 def _first_difference(a: list[Any], b: list[Any]) -> int | None:
     """Where two flattened values first differ (objects by identity), or ``None``."""
-    try:
-        if a == b:  # the usual case, compared in C
-            return None
-    except Exception:  # a value whose == misbehaves: compare item by item
-        pass
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x is y:
-            continue
-        if type(x) is not type(y):
-            return i
-        if isinstance(x, _Ref):
-            if not x.same(y):
-                return i
-        elif x != y:  # tuples of (type, plain value)
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    if a == b:  # the usual case, compared in C
+        return None
+    differ = (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x is not y and x != y)
+    return next(differ, min(len(a), len(b)))
 
 
 def _plain(value: Any) -> Any:
@@ -254,9 +240,7 @@ def module_state(module: nn.Module, flat: _Flattener | None = None) -> State:
     """The Python attributes of ``module`` (its ``__dict__`` less torch's own entries and
     autoremat's), by name, each flattened into comparable items (module docstring)."""
     attrs = module.__dict__
-    names = attrs.keys() - _TORCH_ENTRIES
-    if not names:
-        return {}
+    names = attrs.keys() - _TORCH_ENTRIES  # (never empty: "training" is there)
     flat = _Flattener() if flat is None else flat
     return {n: flat.items(attrs[n]) for n in sorted(names) if not n.startswith(_TORCH_PREFIXES)}
 
@@ -356,7 +340,6 @@ class ReplayCheck:
         self.paths = paths
         self.detailed = detailed
         self.previous = previous
-        self._starts_by_module: dict[int, list[State]] | None = None
         self.replay: dict[int, str] = {}
         self.inplace: dict[int, str] = {}
         self.calls: list[_Call] = []
@@ -431,20 +414,20 @@ class ReplayCheck:
         recompute; ``module`` itself, recomputed alone, would not: it is left out for them."""
         if self.previous is None:
             return set()
-        now, then = self._starts().get(id(module), []), self.previous._starts().get(id(module), [])
+        now, then = self._starts.get(id(module), []), self.previous._starts.get(id(module), [])
         if not now or len(now) != len(then):
             return set()
         names = set.intersection(*(set(s) for s in (*now, *then)))
         return {n for n in names if all(a[n] == b[n] for a, b in zip(now, then, strict=True))}
 
+    @functools.cached_property
     def _starts(self) -> dict[int, list[State]]:
         """By module, the own attributes it had as each of its calls began (identity-level),
         gathered once the forward has ended."""
-        if self._starts_by_module is None:
-            self._starts_by_module = {}
-            for c in self.calls:
-                self._starts_by_module.setdefault(id(c.module), []).append(c.own_start)
-        return self._starts_by_module
+        starts: dict[int, list[State]] = {}
+        for c in self.calls:
+            starts.setdefault(id(c.module), []).append(c.own_start)
+        return starts
 
     def _flag(self, call: _Call, what: str) -> None:
         self.inplace.setdefault(

@@ -107,16 +107,12 @@ def modules_kept(model: nn.Module) -> Iterator[None]:
     Raises:
         RestoreError: a module could not be put back (all the others were).
     """
-    states = [
-        _ModuleState(p, m, attributes=True, parameters=True) for p, m in model.named_modules()
-    ]
+    log = UndoLog()
+    log.keep(model.named_modules())
     try:
         yield
     finally:
-        failures = _Failures()
-        for state in states:
-            failures.attempt(f"module {state.path or '(root)'!r}", state.restore)
-        failures.check(None)
+        log.undo()
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ overheads once per device. On ``meta`` nothing can be timed: :data:`DEFAULT_OVER
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -104,16 +105,12 @@ def _one_timed_forward(
         name = stack.pop()
         seconds[name] += time.perf_counter() - starts[name].pop()
 
-    handles = []
-    for node in nodes.values():
-        handles.append(node[1].register_forward_pre_hook(enter))
-        handles.append(node[1].register_forward_hook(leave))
-    try:
+    with contextlib.ExitStack() as hooks:  # (a hook's handle removes it on exit)
+        for node in nodes.values():
+            hooks.enter_context(node[1].register_forward_pre_hook(enter))
+            hooks.enter_context(node[1].register_forward_hook(leave))
         with preserved(model), torch.enable_grad(), OpTimes(stack, ops, cuda):
             run_model(model, args, kwargs)
-    finally:
-        for h in handles:
-            h.remove()
     return seconds, ops
 
 

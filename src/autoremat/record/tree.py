@@ -128,7 +128,7 @@ class Node:
                 return node
         raise KeyError(f"no module {path!r} in the tree")
 
-    def render(self, marked: frozenset[str] = frozenset(), max_io: int = 2) -> str:
+    def render(self, marked: frozenset[str] = frozenset()) -> str:
         """An indented listing: one line per node with its type, calls and I/O shapes.
 
         Paths in ``marked`` are shown with a ``*`` (used by :class:`~autoremat.Plan`).
@@ -136,8 +136,8 @@ class Node:
         lines: list[str] = []
 
         def io(infos: tuple[TensorInfo, ...]) -> str:
-            shown = ", ".join(str(t) for t in infos[:max_io])
-            more = f", +{len(infos) - max_io}" if len(infos) > max_io else ""
+            shown = ", ".join(str(t) for t in infos[:2])
+            more = f", +{len(infos) - 2}" if len(infos) > 2 else ""
             return f"({shown}{more})"
 
         def visit(node: Node, depth: int) -> None:
@@ -161,17 +161,10 @@ class Node:
 def tensor_infos(obj: Any, where: str) -> list[TensorInfo]:
     """Every tensor found in ``obj``: nested tuples, lists, dicts, dataclasses and
     ``ModelOutput`` objects are searched; other objects are skipped."""
-    found: list[TensorInfo] = []
-    for path, tensor in iter_tensors(obj, where):
-        found.append(
-            TensorInfo(
-                where=path,
-                shape=tuple(tensor.shape),
-                dtype=tensor.dtype,
-                bytes=tensor.numel() * tensor.element_size(),
-            )
-        )
-    return found
+    return [
+        TensorInfo(path, tuple(t.shape), t.dtype, t.numel() * t.element_size())
+        for path, t in iter_tensors(obj, where)
+    ]
 
 
 class ExampleInputsError(ValueError, RuntimeError):
@@ -212,11 +205,10 @@ def build_tree(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     paths = {id(m): p for p, m in model.named_modules()}
     calls = _Calls(paths, ReplayCheck(paths, detailed=False))
-    handles = []
-    try:
+    with contextlib.ExitStack() as hooks:  # (a hook's handle removes it on exit)
         for m in dict.fromkeys(model.modules()):
-            handles.append(m.register_forward_pre_hook(calls.pre_hook, with_kwargs=True))
-            handles.append(m.register_forward_hook(calls.post_hook, with_kwargs=True))
+            hooks.enter_context(m.register_forward_pre_hook(calls.pre_hook, with_kwargs=True))
+            hooks.enter_context(m.register_forward_hook(calls.post_hook, with_kwargs=True))
         # (without a Hugging Face cache, as the step it stands for: the wrapped model trains
         # with use_cache=False)
         with preserved(model), torch.no_grad(), cache_off_in_training(model, without_grad=True):
@@ -228,9 +220,6 @@ def build_tree(
                 calls.recording = False
                 calls.check = ReplayCheck(paths, detailed=True, previous=calls.check)
                 _run(calls, model, args, kwargs)
-    finally:
-        for h in handles:
-            h.remove()
     (root,) = calls.nodes("", model)
     return root
 

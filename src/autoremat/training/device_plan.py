@@ -119,7 +119,7 @@ class DevicePlanner:
         if self.scratch:
             return None
         walk = self.planner.walk
-        floor = walk.plan(walk.lowest())
+        floor = walk.plan(walk.lowest)
         if floor is None:
             return None
         copies = buffer_copies(fields_for(self.prof, list(floor)).modules, self.model,

@@ -90,7 +90,6 @@ class Planner:
         self.won: int | None = None
         self.root = self.tree(request.objective, self.skipped)
         self.walk = Walk(self.root, prof.backward_points, prof.forward_points)
-        self._lowest: tuple[Chosen, int] | None = None
 
     def tree(self, objective: str, skipped: dict[str, str] | None = None) -> Item:
         """The planning tree priced by ``objective``, RNG states counted as the step is."""
@@ -130,14 +129,12 @@ class Planner:
         """The plan with the lowest run peak the planner can make, and that peak
         (:func:`autoremat.planning.search.lowest`: the walk's lowest plan and hand plans).
         Priced by FLOPs whatever the objective: the lowest plan does not depend on timing."""
-        if self._lowest is None:
-            known = _lowest_found.setdefault(self.rehearsal, {})
-            key = self._lowest_key()
-            if key not in known or known[key][0]() is not self.prof:
-                known[key] = (weakref.ref(self.prof), *self._search_lowest())
-            _, chosen, least, self.won = known[key]
-            self._lowest = chosen, least
-        return self._lowest
+        known = _lowest_found.setdefault(self.rehearsal, {})
+        key = self._lowest_key()
+        if key not in known or known[key][0]() is not self.prof:
+            known[key] = (weakref.ref(self.prof), *self._search_lowest())
+        _, chosen, least, self.won = known[key]
+        return chosen, least
 
     def _known_lowest(self) -> tuple[Chosen, int] | None:
         """:meth:`lowest` if it was found already (by this planner or one of the same

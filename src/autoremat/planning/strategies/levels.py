@@ -47,10 +47,7 @@ def choose_levels(root: Node, segments: int, left_out: dict[str, str] | None = N
         ValueError: ``segments`` is negative.
         TypeError: ``segments`` is not an int.
     """
-    if isinstance(segments, bool) or not isinstance(segments, int):
-        raise TypeError(f"segments must be an int, got {type(segments).__name__}")
-    if segments < 0:
-        raise ValueError(f"segments must be >= 0, got {segments}")
+    _check(Request("", segments))
     met: dict[str, str] = {} if left_out is None else left_out
     mandatory: list[Node] = []
     scheme: list[Node] = []
