@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 
 import autoremat
 from autoremat.comparison.recomputed import RecomputeCounter
+from autoremat.core.nested import storage_key
 from autoremat.core.selective import WAYS
 from autoremat.examples import EXAMPLES, llama_on_meta
 from autoremat.planning.rehearsal import PlanFields, rehearsal_for
@@ -65,6 +67,34 @@ def test_figures_reconcile_down_the_tree(name):
         assert cost.param_bytes >= max([k.param_bytes for k in kids], default=0)
         assert cost.seconds >= 0
     assert prof[""].saved > 0 and prof[""].flops > 0
+
+
+def test_a_storage_key_is_never_given_to_a_later_storage():
+    """A recording keeps storages' keys after the storages are gone: a key must not be an
+    address the next storage can take (with ``_cdata``, 90 of 100 fresh storages took one)."""
+    t = torch.empty(8)
+    assert storage_key(t[2:]) == storage_key(t.view(2, 4)) == storage_key(t) is not None
+    keys = set()
+    for _ in range(100):
+        key = storage_key(torch.empty(8))
+        assert key not in keys
+        keys.add(key)
+
+
+def _untimed(cost):
+    ways = tuple(dataclasses.replace(w, op_seconds=0.0) for w in cost.ways)
+    return dataclasses.replace(cost, seconds=0.0, op_seconds=0.0, ways=ways)
+
+
+@pytest.mark.parametrize("name", ["hf-bert", "hf-vit"])
+def test_two_profiles_of_one_step_have_the_same_figures(name):
+    """With storages keyed by address, a freed input's key could be taken by a later output:
+    ``attention.output``'s ``held_from`` then changed from one profile to the next (and
+    ``fit``, which compares two batch sizes' profiles, could refuse the model at random)."""
+    pytest.importorskip("transformers")
+    model, args, kwargs = EXAMPLES[name]()
+    first, second = (autoremat.profile(model, args, kwargs, timed=False) for _ in range(2))
+    assert [_untimed(c) for c in first] == [_untimed(c) for c in second]
 
 
 def test_loss_fn_costs_go_to_the_root():

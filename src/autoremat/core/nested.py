@@ -9,6 +9,7 @@ looks inside plain objects' attributes (a key/value cache object), to a bounded 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -72,14 +73,24 @@ def op_tensors(value: Any) -> list[torch.Tensor]:
     return found
 
 
+_serials = itertools.count(1)
+
+
 def storage_key(t: torch.Tensor) -> int | None:
-    """An identity for the storage behind ``t``, equal for every view of it; ``None`` for a
-    tensor without a storage (sparse, some wrapper subclasses). Valid while the storage lives:
-    a freed storage's key can be reused."""
+    """An identity for the storage behind ``t``, equal for every view of it and never given to
+    another storage in this process, even after this one is freed (a recording keeps keys of
+    storages long gone: an address would be reused); ``None`` for a tensor without a storage
+    (sparse, some wrapper subclasses). The number is kept on the storage's Python object,
+    which PyTorch preserves for as long as the storage lives."""
     try:
-        return t.untyped_storage()._cdata
+        st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+    key: int | None = getattr(st, "_autoremat_key", None)
+    if key is None:
+        key = next(_serials)
+        setattr(st, "_autoremat_key", key)  # noqa: B010 (UntypedStorage declares no such field)
+    return key
 
 
 def tensor_bytes(obj: Any) -> int:

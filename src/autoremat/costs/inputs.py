@@ -46,9 +46,8 @@ def alive_until_after(
     recompute would free it (``freers``, :func:`autoremat.costs.model.freers`) holds
     ``holder`` (it cannot be chosen with the checkpoint): a BERT layer's output block takes
     the attention's output, which the intermediate block's Linear saved."""
-    made = rec.made_at.get(key)
-    if key in rec.output_keys[rec.tree] and made and made[-1] <= line.events[first][0]:
-        return True  # the model returns it (made before: the same storage) and holds it
+    if key in rec.output_keys[rec.tree]:
+        return True  # the model returns it and holds it
     if key not in rec.savers:
         return False
     begin = line.spans[first][0]

@@ -49,7 +49,7 @@ __all__ = [
 MAX_RUN = 64  # longest run of Sequential children considered as one recompute
 
 Steps = tuple[tuple[int, int], ...]
-Storages = dict[int, tuple[int, int]]  # kept output id -> (storage key, bytes)
+Storages = dict[int, int]  # kept output's storage key -> bytes
 
 
 @dataclass(frozen=True)
@@ -184,12 +184,12 @@ def kept_cost(rec: Recording, node: Node, kept: Storages) -> tuple[int, int]:
     backward ran first)."""
     begins = rec.unpack_events.get(node, -1)
     lost = let_go = 0
-    for uid, (key, size) in kept.items():
+    for key, size in kept.items():
         if key in rec.input_keys[node]:
             continue
-        if all(rec.within(p, node) for p in rec.kept_savers.get(uid, ())):
+        if all(rec.within(p, node) for p in rec.kept_savers.get(key, ())):
             lost += size
-        elif rec.kept_freed.get(uid, begins + 1) <= begins:
+        elif rec.kept_freed.get(key, begins + 1) <= begins:
             let_go += size
     return lost, let_go
 
@@ -205,14 +205,14 @@ def held_from(
     selective way keeps, empty for a whole recompute): less what finished parts saved, which
     its forward drops; more each kept output nothing saves, from the point it was made (an
     upper bound: the step without recompute may hold it a while too)."""
-    cached = {key for uid, (key, _) in kept.items() if rec.kept_savers.get(uid)}
+    cached = {key for key in kept if rec.kept_savers.get(key)}
     return _steps(
         [(p, -size) for p, key, size in gone if key not in cached]
         + [
             (point, size)
-            for uid, (key, size) in kept.items()
-            if not rec.kept_savers.get(uid)
-            for point in [line.ended_before[rec.born[uid]]]
+            for key, size in kept.items()
+            if not rec.kept_savers.get(key)
+            for point in [line.ended_before[rec.born[key]]]
         ]
     )
 
@@ -232,7 +232,7 @@ def recompute_peak(
     events = rec.events
     first, last = line.events[node]
     stop, high = rec.last_save.get(node, (first + 1, events[first][3]))
-    births = sorted((rec.born[uid], size) for uid, (_, size) in kept.items())
+    births = sorted((rec.born[key], size) for key, size in kept.items())
     began = events[first][3]
     stretches = [(i, events[i][2]) for i in range(first + 1, min(stop, last + 1))]
     most, gone, b = 0, 0, 0

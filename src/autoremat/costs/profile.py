@@ -458,5 +458,5 @@ class _Assembly:
                 self.rec, self.line, node, freed, kept, let_go
             ),
             op_seconds=max(0.0, seconds - kept_seconds),
-            kept_changed=any(uid in self.rec.changed for uid in kept),
+            kept_changed=any(key in self.rec.changed for key in kept),
         )

@@ -60,8 +60,8 @@ class Kept:
 
     flops: int = 0
     written: int = 0
-    # the storages it keeps: id -> (storage key, bytes)
-    storages: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # the storages it keeps: storage key -> bytes
+    storages: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,7 +84,7 @@ class Recording:
 
     ``savers``: storage key -> (bytes, the innermost modules that saved it for backward);
     ``input_keys``/``output_keys``: the new storages each module took in and gave out;
-    ``kept_savers``: kept output id -> who saved it; ``born``: kept output id -> the event
+    ``kept_savers``: kept output's storage key -> who saved it; ``born``: its key -> the event
     count when it was made; ``last_save``: module -> (event count, peak then) at its forward's
     last save; ``unpacked``: module -> (order, live bytes) when backward first used what it
     saved.
@@ -101,7 +101,7 @@ class Recording:
     born: dict[int, int]
     last_save: dict[Node, tuple[int, int]]
     unpacked: dict[Node, tuple[int, int]]
-    # kept output ids that an op changed in place after they were made (selective
+    # kept outputs (storage keys) that an op changed in place after they were made (selective
     # checkpointing refuses such a cached tensor in the recompute)
     changed: set[int] = field(default_factory=set)
     # the index of the "unpack" event marked when backward first used what a node saved
@@ -110,10 +110,7 @@ class Recording:
     # region ends (a weight's copy in the lower precision: a float32 leaf that requires grad),
     # whoever saved them: a checkpointed module does not free them during the forward
     cached_casts: set[int] = field(default_factory=set)
-    # storage key -> the event count each time a storage with that key was made (a freed
-    # storage's key can be reused)
-    made_at: dict[int, list[int]] = field(default_factory=dict)
-    # kept output id -> the event count when the step without recompute freed it
+    # kept output key -> the event count when the step without recompute freed it
     kept_freed: dict[int, int] = field(default_factory=dict)
     # what Hugging Face's mask code decided reading the step's values, in order
     # (:func:`~autoremat.core.huggingface.mask_answers`), for a step without values to repeat
@@ -161,8 +158,6 @@ class OpCosts(TorchDispatchMode):
         self.kept = KeptOutputs(clock)
         self.counting = True
         self.keep = {way: resolve(ops) for way, ops in WAYS.items()}
-        # storage key -> the clock each time a storage with that key was made
-        self.made_at: dict[int, list[int]] = defaultdict(list)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -177,10 +172,6 @@ class OpCosts(TorchDispatchMode):
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         seen = {storage_key(t) for _, t in iter_tensors((args, kwargs))}
         new = new_storages(seen, out)
-        for key in new:
-            self.kept.current.pop(key, None)
-            self.cached.discard(key)
-            self.made_at[key].append(self.clock())
         if func is torch.ops.aten._to_copy.default and self._cached(args, kwargs, seen):
             self.cached.update(new)
         written = sum(new.values())
@@ -188,13 +179,13 @@ class OpCosts(TorchDispatchMode):
         own.written += written
         own.ops += 1
         if ways:
-            uids = self.kept.made(new)
+            self.kept.made(new)
             for way in ways:
                 kept = own.kept[way]
                 kept.flops += flops
                 kept.written += written
-                kept.storages.update((uids[key], (key, size)) for key, size in new.items())
-            self.kept.watch(out, dict(uids))
+                kept.storages.update(new)
+            self.kept.watch(out, set(new))
         return out
 
     def _cached(self, args: Any, kwargs: Any, seen: set[int | None]) -> bool:
@@ -278,7 +269,6 @@ class _Recorder:
         self.rec.born = self.costs.kept.born
         self.rec.changed = self.costs.kept.changed
         self.rec.cached_casts = self.costs.cached
-        self.rec.made_at = self.costs.made_at
         self.rec.kept_freed = self.costs.kept.freed
 
     def mark(self, kind: str, node: Node) -> None:
@@ -299,9 +289,8 @@ class _Recorder:
             rec.savers[key] = (t.untyped_storage().nbytes(), set())
             rec.own_saved[here] += t.untyped_storage().nbytes()
         rec.savers[key][1].add(here)
-        uid = self.costs.kept.current.get(key)
-        if uid is not None:
-            rec.kept_savers[uid].add(here)
+        if key in self.costs.kept.born:
+            rec.kept_savers[key].add(here)
         return here, t
 
     def unpack(self, packed: tuple[Node, torch.Tensor]) -> torch.Tensor:
