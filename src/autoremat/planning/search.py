@@ -58,6 +58,10 @@ class Walk:
     forward: Sequence[tuple[int, int]] = ()
 
     @functools.cached_property
+    def _memo(self) -> dict[int, tuple[int, int]]:
+        return {}  # (what the solver finds once for every budget)
+
+    @functools.cached_property
     def top(self) -> int:
         """The highest point of the step without recompute."""
         return max((b for _, b in (*self.after, *self.forward)), default=0)
@@ -65,7 +69,7 @@ class Walk:
     def plan(self, limit: int) -> Chosen | None:
         """The walk's cheapest plan whose peak it prices at most ``limit``; ``None``: none."""
         try:
-            return tuple(solve(self.root, self.after, limit, self.forward))
+            return tuple(solve(self.root, self.after, limit, self.forward, self._memo))
         except Infeasible:
             return None
 

@@ -33,6 +33,7 @@ states within one step. The work is ``O((nodes x ways + runs) x frontier)``.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -157,6 +158,14 @@ class Item:
             return []
         return [i for i in (self, *self.other_ways) if i.freed > 0]
 
+    @functools.cached_property
+    def run_items(self) -> tuple[tuple[int, int, Item], ...]:
+        """``(i, j, item)`` for each run ``[i:j)`` that frees something, none if this node
+        is not a candidate: made once (a solve for each budget reuses them)."""
+        if not self.candidate:
+            return ()
+        return tuple((r[0], r[1], self.run_item(*r)) for r in self.runs if r[2] > 0)
+
     def walk(self) -> list[Item]:
         out = [self]
         for child in self.children:
@@ -231,14 +240,17 @@ def solve(
     points: Sequence[tuple[int, int]],
     budget: int,
     forward: Sequence[tuple[int, int]] = (),
+    memo: dict[int, tuple[int, int]] | None = None,
 ) -> list[Item]:
     """The cheapest set of nodes under ``root`` whose peak, as the walk prices it (module
     docstring; ``points`` after the forward, ``forward`` in it), is at most ``budget``.
+    ``memo``: a dict kept between solves of one ``root``, ``points`` and ``forward`` at other
+    budgets (what does not depend on the budget is found once).
 
     Raises:
         Infeasible: no set fits; :func:`min_peak` gives the lowest reachable peak.
     """
-    solver = _Solver(root, points, budget, forward)
+    solver = _Solver(root, points, budget, forward, {} if memo is None else memo)
     states = solver.check([(0, 0.0, next(solver.counter), None, 0)], -1, root.start)
     states = solver.check(solver.run(root, states), root.end, solver.top)
     if not states:
@@ -266,8 +278,9 @@ class _Solver:
         points: Sequence[tuple[int, int]],
         budget: int,
         forward: Sequence[tuple[int, int]],
+        memo: dict[int, tuple[int, int]],
     ) -> None:
-        self.budget = budget
+        self.budget, self.memo = budget, memo
         self.top = max((p for p, _ in (*points, *forward)), default=0)
         # the most bytes live at each point: in the forward, after it, and either (NONE: no
         # moment there)
@@ -321,7 +334,10 @@ class _Solver:
     def take(self, item: Item, states: list[_State]) -> list[_State]:
         """The states in which recomputing ``item`` whole fits, with it recomputed."""
         if item.held_from or self.phased:
-            during, after = item.worst_inside(self.during, self.after)
+            worst = self.memo.get(id(item))  # (items live as long as their root)
+            if worst is None:
+                worst = self.memo[id(item)] = item.worst_inside(self.during, self.after)
+            during, after = worst
         else:  # the same in both phases (the common case, kept fast)
             inside = max(self.need[item.start + 1 : item.end + 1], default=NONE)
             after = max(inside, self.after[item.start] if item.start <= self.top else NONE)
@@ -346,9 +362,8 @@ class _Solver:
             return self.check(states, item.start, item.end)
         kids = item.children
         runs: dict[int, list[tuple[int, Item]]] = {}
-        for r in item.runs if item.candidate else ():
-            if r[2] > 0:  # (it frees something)
-                runs.setdefault(r[0], []).append((r[1], item.run_item(*r)))
+        for i, j, whole in item.run_items:
+            runs.setdefault(i, []).append((j, whole))
         # arriving[k]: states that have passed children 0..k-1 (k = len(kids): all of them)
         arriving: list[list[list[_State]]] = [[] for _ in range(len(kids) + 1)]
         arriving[0] = [states]
@@ -391,17 +406,23 @@ def walk_peak(
 def min_peak(
     root: Item, points: Sequence[tuple[int, int]], forward: Sequence[tuple[int, int]] = ()
 ) -> int:
-    """The lowest budget :func:`solve` meets, to the byte (bisection: about 30 solves): no
-    plan of the walk fits a byte less, which the search's lowest peak relies on."""
+    """The lowest budget :func:`solve` meets, to the byte: no plan of the walk fits a byte
+    less, which the search's lowest peak relies on. A bisection; once the gap is within a
+    sixteenth, a byte below each plan it finds is tried (the lowest is a plan's price: most
+    often none fits there and the search is over, where halving the gap would take some 20
+    more solves; tried earlier, it mostly finds another plan, at a high budget's cost)."""
     baseline = max((b for _, b in (*points, *forward)), default=0)
     lo, hi = 0, baseline  # hi is always feasible: the empty plan
+    below = False  # whether to try a byte below the last plan's price next
+    memo: dict[int, tuple[int, int]] = {}
     while hi - lo > 1:
-        mid = (lo + hi) // 2
+        mid = hi - 1 if below else (lo + hi) // 2
         try:
-            found = solve(root, points, mid, forward)
+            found = solve(root, points, mid, forward, memo)
         except Infeasible:
-            lo = mid
+            lo, below = mid, False
             continue
         # (the plan found may price below the limit asked: a limit there is met too)
         hi = max(lo + 1, min(mid, walk_peak(found, points, forward)))
+        below = not below and (hi - lo) * 16 <= hi
     return hi
