@@ -225,6 +225,29 @@ def test_plan_takes_autocast_and_measures_under_it(capsys):
     assert "error +0.0%); within the budget" in out
 
 
+def test_plan_saves_the_plan_it_prints_for_the_training_script(tmp_path, capsys):
+    """``--save FILE.json`` writes the plan printed, which ``Plan.load`` reads back; a folder
+    that does not exist is one line, status 2, before anything is planned."""
+    import autoremat
+    from autoremat.cli.targets import load_target
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", "mlp", "--budget", "50%", "--objective", "flops",
+                 "--save", str(path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"plan saved: {path}" in out
+    saved = autoremat.Plan.load(path)
+    model, args, kwargs = load_target("mlp")
+    again = autoremat.plan(model, args, kwargs, budget=0.5, objective="flops")
+    assert saved.modules == again.modules and saved.estimated_peak == again.estimated_peak
+    assert saved.modules
+    assert all(re.search(rf"\n  {re.escape(m)} +full ", out) for m in saved.modules)
+    missing = tmp_path / "no" / "plan.json"
+    assert main(["plan", "mlp", "--segments", "3", "--save", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert "the folder" in err and "does not exist" in err and len(err.splitlines()) == 1
+
+
 def test_bad_budget_is_one_line_in_cli_words(capsys):
     assert main(["plan", "gpt2", "--budget", "1.5"]) == 2
     err = capsys.readouterr().err

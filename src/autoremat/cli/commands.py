@@ -88,8 +88,9 @@ def _plan_command(ns: argparse.Namespace) -> int:
     if ns.device_memory is None and (sharding or ns.optimizer):
         raise CliError("--optimizer and --sharding size the whole step: add --device-memory")
     loss_fn = loss_from_output(ns.loss)
-    if ns.plot:
-        writable(ns.plot)  # (before planning: a page that cannot be written fails at once)
+    for path in (ns.plot, ns.save):  # (before planning: a bad path fails at once)
+        if path:
+            writable(path)
     model, args, kwargs = load_target(ns.target)
     if ns.device_memory is not None:
         optimizer = None if ns.optimizer == "none" else (ns.optimizer or "adamw")
@@ -110,7 +111,15 @@ def _plan_command(ns: argparse.Namespace) -> int:
         written = plot(chosen, ns.plot, model, args, kwargs, loss_fn=loss_fn, autocast=autocast,
                        measure=ns.measure)  # fmt: skip
         print(f"picture: {written}")
+    _save(chosen, ns.save)
     return 0
+
+
+def _save(chosen: Plan, path: str | None) -> None:
+    """With ``--save PATH``: the plan written to ``PATH``, said in one line."""
+    if path:
+        chosen.save(path)
+        print(f"plan saved: {path} (autoremat.Plan.load({path!r}).apply(model))")
 
 
 def _device_memory(text: str) -> int | float | str:
@@ -129,8 +138,9 @@ def _fit_command(ns: argparse.Namespace) -> int:
     device_memory = _device_memory(ns.device_memory)
     sharding = sharding_arg(ns.sharding, ns.world_size, ns.fsdp_units)
     loss_fn = loss_from_output(ns.loss)
-    if ns.plot:
-        writable(ns.plot)
+    for path in (ns.plot, ns.save):
+        if path:
+            writable(path)
     model, args, kwargs = load_target(ns.target)
     if ns.device is not None:
         model.to(ns.device)
@@ -154,6 +164,7 @@ def _fit_command(ns: argparse.Namespace) -> int:
     print(found.plan.summary())
     if ns.plot:
         print(f"picture: {plot(found, ns.plot)}")
+    _save(found.plan, ns.save)
     return 1 if found.fits is False else 0
 
 

@@ -154,6 +154,9 @@ def _add_plan(p_plan: argparse.ArgumentParser) -> None:
 def _add_plot(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--plot", metavar="FILE.html", default=None,
                    help=f"{help}: one self-contained HTML file (inline SVG)")  # fmt: skip
+    p.add_argument("--save", metavar="FILE.json", default=None,
+                   help="write the plan to FILE.json, for autoremat.Plan.load(FILE.json)"
+                   ".apply(model) in the training script")  # fmt: skip
 
 
 def _add_autocast(p: argparse.ArgumentParser, help: str) -> None:
