@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoremat.core.layerdrop import every_layer
 from autoremat.core.measuring import measuring
 
 __all__ = ["iter_tensors", "op_tensors", "run_model", "storage_key", "tensor_bytes", "version_of"]
@@ -116,8 +117,9 @@ def version_of(t: torch.Tensor) -> int | None:
 def run_model(model: nn.Module, args: tuple[Any, ...] | Any, kwargs: dict[str, Any] | None) -> Any:
     """Call ``model(*args, **kwargs)``; a bare ``args`` that is not a tuple is one argument.
     Autoremat runs the user's model only through here: inside,
-    :func:`~autoremat.core.measuring.is_measuring` is True."""
+    :func:`~autoremat.core.measuring.is_measuring` is True, and LayerDrop is off (every layer
+    runs: :func:`~autoremat.core.layerdrop.every_layer`)."""
     if not isinstance(args, tuple):
         args = (args,)
-    with measuring():
+    with measuring(), every_layer(model):
         return model(*args, **(kwargs or {}))

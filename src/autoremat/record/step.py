@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from autoremat.core.devices import model_device
+from autoremat.core.layerdrop import every_layer
 from autoremat.core.measuring import measuring
 from autoremat.core.nested import iter_tensors, run_model
 from autoremat.record.autocast_meta import MetaAutocast
@@ -211,14 +212,16 @@ def train_step(
     gradients enabled whatever the caller's mode. ``after_forward`` runs between the loss and
     backward. With ``autocast`` (``(device_type, dtype)``), forward and loss run under
     ``torch.autocast(device_type, dtype)`` (backward outside, as PyTorch recommends), or, on
-    ``meta``, :class:`~autoremat.record.autocast_meta.MetaAutocast`. Returns the loss, detached.
+    ``meta``, :class:`~autoremat.record.autocast_meta.MetaAutocast`. LayerDrop is off from
+    forward to backward (:func:`~autoremat.core.layerdrop.every_layer`: a recompute of a
+    stack runs every layer too). Returns the loss, detached.
 
     Raises:
         ValueError: the loss is not a scalar tensor that requires grad (:func:`check_loss`).
     """
     for t in [*model.parameters(), *leaf_inputs(args, kwargs)]:
         t.grad = None
-    with torch.enable_grad(), measuring():  # (the backward's hooks see it too)
+    with torch.enable_grad(), measuring(), every_layer(model):  # (and the backward's hooks)
         with autocast_for(model, autocast):
             output = run_model(model, args, kwargs)
             loss = check_loss((loss_fn or default_loss)(output))

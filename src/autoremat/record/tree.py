@@ -22,6 +22,7 @@ from torch import nn
 
 from autoremat.core.classes import own_class
 from autoremat.core.huggingface import cache_off_in_training
+from autoremat.core.layerdrop import every_layer
 from autoremat.core.nested import iter_tensors, op_tensors, run_model
 from autoremat.record.meta_kernels import RememberedKernels
 from autoremat.record.side_effects import ReplayCheck
@@ -229,18 +230,19 @@ def _run(calls: _Calls, model: nn.Module, args: Any, kwargs: Any) -> None:
     an :class:`ExampleInputsError` naming the module where it arose."""
     tensors = (*model.parameters(), *op_tensors((args, kwargs)))
     on_meta = any(t.device.type == "meta" for t in tensors)
-    try:
-        with RememberedKernels() if on_meta else contextlib.nullcontext():
-            run_model(model, args, kwargs)
-    except Exception as exc:
-        where = calls.running[-1] if calls.running else ""
-        raise ExampleInputsError(
-            f"the example inputs failed in the forward pass of module "
-            f"{where or '(root)'!r} ({type(exc).__name__}: {exc}); pass args/kwargs "
-            f"that model(*args, **kwargs) accepts",
-            where,
-        ) from exc
-    calls.check.finish()  # before the model's state is put back
+    with every_layer(model):  # (until the check has ended: the switch back is no change)
+        try:
+            with RememberedKernels() if on_meta else contextlib.nullcontext():
+                run_model(model, args, kwargs)
+        except Exception as exc:
+            where = calls.running[-1] if calls.running else ""
+            raise ExampleInputsError(
+                f"the example inputs failed in the forward pass of module "
+                f"{where or '(root)'!r} ({type(exc).__name__}: {exc}); pass args/kwargs "
+                f"that model(*args, **kwargs) accepts",
+                where,
+            ) from exc
+        calls.check.finish()  # before the model's state is put back
 
 
 class _Calls:
