@@ -275,7 +275,8 @@ def profile(
     makes them (:mod:`autoremat.core.huggingface`); with ``hf_cache`` they fill it, as the model
     does in training with no plan applied. A model's own activation checkpointing (switched on
     in transformers, diffusers or timm) is off for the profile, as every applied plan turns it
-    off (:mod:`autoremat.core.own_checkpointing`; one warning says so).
+    off (:mod:`autoremat.core.own_checkpointing`; one warning says so). LayerDrop is off:
+    every layer runs, the most a step holds (:mod:`autoremat.core.layerdrop`).
 
     With ``autocast`` (a dtype, or ``(device_type, dtype)`` such as ``("cuda",
     torch.bfloat16)``) the step's forward and loss run under ``torch.autocast``, and on ``meta``

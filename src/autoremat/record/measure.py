@@ -119,7 +119,8 @@ def measure(
     state, so dropout draws the same masks in each, and from ``.grad = None`` also for leaf inputs
     requiring grad. ``args`` may be a single tensor. ``autocast`` (a dtype, or ``(device_type,
     dtype)``; ``None`` inside an autocast region: the region's): forward and loss under
-    autocast, backward outside, as a budget assumes.
+    autocast, backward outside, as a budget assumes. LayerDrop is off: every layer runs, the
+    most a step holds (:mod:`autoremat.core.layerdrop`).
 
     The model is left as found (buffers, the ``.grad`` of parameters and of leaf inputs,
     training flags, the global RNG state), also when the step raises (no optimizer runs).
