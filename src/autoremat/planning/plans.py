@@ -244,7 +244,7 @@ class Plan:
             else ""
         )
         flops = "?" if self.recompute_flops is None else f"{self.recompute_flops / 1e9:.3f}"
-        by = f", its step run {self.estimated_by}" if self.estimated_by else ""
+        by = f", from running the planned step {self.estimated_by}" if self.estimated_by else ""
         line = (
             f"predicted peak {size(self.estimated_peak)} (budget {size(self.budget)}, "
             f"no recompute {size(self.baseline_peak)}{share}{by}), recompute adds {flops} GFLOP"

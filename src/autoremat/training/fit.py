@@ -68,6 +68,10 @@ logger = logging.getLogger(__name__)
 
 # What fit maximises (``fit(objective=...)``).
 FIT_OBJECTIVES = ("batch", "throughput")
+_AIMS = {
+    "batch": "objective 'batch': the largest batch; 'throughput' picks the most samples/s",
+    "throughput": "objective 'throughput': the most samples per second",
+}
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ class Fit:
     def __str__(self) -> str:
         lines = [
             f"batch {self.batch} fits {self.device}; the largest without recompute: "
-            f"{self.largest_without_recompute} (objective {self.objective})",
+            f"{self.largest_without_recompute} ({_AIMS[self.objective]})",
             f"plan: {len(self.plan.modules)} entries, recompute adds "
             f"{(self.plan.recompute_flops or 0) / 1e9:.3f} GFLOP",
         ]
