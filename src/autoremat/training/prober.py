@@ -139,10 +139,11 @@ class Prober:
                 self.not_on_meta = _why_not_on_meta(exc)
                 self.scaled = ScaledProfiles(self.real, batch, first)
                 logger.warning(
-                    "fit: %s cannot be sized on meta (%s): sizing it from real steps on %s "
-                    "at batches %d, %d and %d (up to %d), scaled", type(self.model).__name__,
-                    self.not_on_meta, model_device(self.model), 2 * batch, 4 * batch, 6 * batch,
-                    2 * (WINDOWS + 2) * batch,
+                    "fit: sizing %s from real steps on %s at batches %d, %d and %d (up to %d), "
+                    "scaled, as its step cannot run on meta, where fit sizes a model without "
+                    "its memory (%s); no action needed", type(self.model).__name__,
+                    model_device(self.model), 2 * batch, 4 * batch, 6 * batch,
+                    2 * (WINDOWS + 2) * batch, self.not_on_meta,
                 )  # fmt: skip
         try:
             return self.scaled.at(batch)
