@@ -88,9 +88,7 @@ def _plan_command(ns: argparse.Namespace) -> int:
     if ns.device_memory is None and (sharding or ns.optimizer):
         raise CliError("--optimizer and --sharding size the whole step: add --device-memory")
     loss_fn = loss_from_output(ns.loss)
-    for path in (ns.plot, ns.save):  # (before planning: a bad path fails at once)
-        if path:
-            writable(path)
+    _writable_outputs(ns)
     model, args, kwargs = load_target(ns.target)
     if ns.device_memory is not None:
         optimizer = None if ns.optimizer == "none" else (ns.optimizer or "adamw")
@@ -113,6 +111,14 @@ def _plan_command(ns: argparse.Namespace) -> int:
         print(f"picture: {written}")
     _save(chosen, ns.save)
     return 0
+
+
+def _writable_outputs(ns: argparse.Namespace) -> None:
+    """``--plot`` and ``--save`` checked before planning: a path that cannot be written fails
+    at once (:func:`~autoremat.picture.page.writable`)."""
+    for path in (ns.plot, ns.save):
+        if path:
+            writable(path)
 
 
 def _save(chosen: Plan, path: str | None) -> None:
@@ -138,9 +144,7 @@ def _fit_command(ns: argparse.Namespace) -> int:
     device_memory = _device_memory(ns.device_memory)
     sharding = sharding_arg(ns.sharding, ns.world_size, ns.fsdp_units)
     loss_fn = loss_from_output(ns.loss)
-    for path in (ns.plot, ns.save):
-        if path:
-            writable(path)
+    _writable_outputs(ns)
     model, args, kwargs = load_target(ns.target)
     if ns.device is not None:
         model.to(ns.device)

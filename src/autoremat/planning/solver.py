@@ -308,7 +308,7 @@ class _Solver:
 
     def _mark(self, item: Item) -> bool:
         """Whether anything under ``item`` can be chosen."""
-        here = bool(item.wholes()) or (item.candidate and any(r[2] > 0 for r in item.runs))
+        here = bool(item.wholes()) or bool(item.run_items)
         self.useful[id(item)] = any([self._mark(c) for c in item.children]) or here
         return self.useful[id(item)]
 
