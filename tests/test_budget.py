@@ -116,9 +116,8 @@ def options_of(root: Item) -> dict[str, tuple[Item, frozenset[str]]]:
         for whole in (node, *node.other_ways):
             if whole.freed > 0:
                 found[key(whole)] = (whole, subtree(node))
-        for i, j, freed, flops, peak, held, held_from, cached in node.runs:
-            if freed > 0:
-                run = node.run_item(i, j, freed, flops, peak, held, held_from, cached)
+        for i, j, run in node.runs:
+            if run.freed > 0:
                 covered = frozenset().union(*(subtree(c) for c in node.children[i:j]))
                 found[run.path] = (run, covered)
     return found
@@ -161,12 +160,19 @@ def cases(draw: st.DrawFn, max_nodes: int = 9) -> Case:
                 (
                     a,
                     b,
-                    draw(freed_st),
-                    draw(flops_st),
-                    draw(peak_st),
-                    draw(inside_st),
-                    draw(steps_st(children[a].start, children[b - 1].end)),
-                    cached(),
+                    Item(
+                        path=f"n{i}[{a}:{b}]",
+                        start=children[a].start,
+                        end=children[b - 1].end,
+                        freed=draw(freed_st),
+                        flops=draw(flops_st),
+                        recompute_peak=draw(peak_st),
+                        held=draw(inside_st),
+                        held_from=draw(steps_st(children[a].start, children[b - 1].end)),
+                        cached=cached(),
+                        written=sum(c.written for c in children[a:b]),
+                        seconds=None if not timed else sum(c.seconds or 0 for c in children[a:b]),
+                    ),
                 )
                 for a, b in sorted(picked)
             )
@@ -498,7 +504,7 @@ def test_run_of_sequential_children_frees_what_it_frees_as_one():
         freed=100,
         flops=21,
         children=(A, B, c),
-        runs=((0, 2, 80, 20, 0, 0, (), 0),),
+        runs=((0, 2, Item("r[0:2]", start=0, end=1, freed=80, flops=20)),),
     )
     points = ((0, 10), (2, 100), (4, 100))
     # at point 2 (a, b ended) 75 must go: a+b free 70, r is still running; only the run does
@@ -518,7 +524,7 @@ def test_run_of_sequential_children_frees_what_it_frees_as_one():
         flops=21,
         candidate=False,
         children=(A, B, c),
-        runs=((0, 2, 80, 20, 0, 0, (), 0),),
+        runs=((0, 2, Item("r[0:2]", start=0, end=1, freed=80, flops=20)),),
     )
     with pytest.raises(Infeasible):
         solve(fixed, points, 25)

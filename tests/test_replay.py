@@ -743,9 +743,8 @@ def test_a_run_holds_its_first_childs_input_while_its_forward_runs() -> None:
     prof = autoremat.profile(model, (x,))
     mlp = planning_tree(prof, rng_state=RNG).children[0].children[1]
     assert mlp.path == "0.mlp"
-    i, j, freed, flops, peak, held, held_from, cached = next(r for r in mlp.runs if r[:2] == (2, 5))
-    assert held == x.numel() * 4 * 4 + RNG  # the GELU output: 4 x width floats per token
-    run = mlp.run_item(i, j, freed, flops, peak, held, held_from, cached)
+    run = next(r for i, j, r in mlp.runs if (i, j) == (2, 5))
+    assert run.held == x.numel() * 4 * 4 + RNG  # the GELU output: 4 x width floats per token
     chosen = autoremat.Plan(modules=("0.mlp[2:5]",), strategy="budget", model_class="Sequential")
     wrapped = chosen.apply(copy.deepcopy(model))
     measured = autoremat.measure(wrapped, (x,)).peak

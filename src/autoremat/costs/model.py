@@ -56,16 +56,15 @@ Storages = dict[int, int]  # kept output's storage key -> bytes
 class Run:
     """Recomputing children ``i..j-1`` of a plain ``nn.Sequential`` as one: what it frees,
     its recompute's peak, and what it holds during its forward beyond the step without
-    recompute (as :class:`~autoremat.costs.profile.NodeCost` has them: ``held``, the first
-    child's inputs that no child of the run saves, which the checkpoint keeps from the run's
-    start; ``held_from``, less what its finished parts saved)."""
+    recompute (as :class:`~autoremat.costs.profile.NodeCost` has ``held``: the first child's
+    inputs that no child of the run saves, which the checkpoint keeps from the run's start;
+    what its finished parts saved, which its forward drops, is not counted: an upper bound)."""
 
     i: int
     j: int
     freed: int
     recompute_peak: int
     held: int = 0
-    held_from: Steps = ()
     cached: int = 0
 
 
@@ -258,29 +257,15 @@ def _chained_children(node: Node) -> bool:
 
 
 def runs(
-    rec: Recording,
-    line: Timeline,
-    gone: dict[Node, list[tuple[int, int, int]]],
-    freers: dict[int, list[Node]],
+    rec: Recording, line: Timeline, freers: dict[int, list[Node]]
 ) -> dict[Node, tuple[Run, ...]]:
     """Costs of recomputing runs of two or more consecutive children of each plain
     ``nn.Sequential`` (whose stock forward chains its children), as :func:`freed_bytes`,
-    :func:`held_from` and :func:`recompute_peak` price one node: a run's recompute begins when
-    backward first uses what any of its children saved, and ends at the last save of any.
-    ``gone``: :func:`released`; a run drops, part-way, what its parent would drop inside the
-    run's span. ``freers``: :func:`freers`."""
+    and :func:`recompute_peak` price one node: a run's recompute begins when backward first
+    uses what any of its children saved, and ends at the last save of any. ``freers``:
+    :func:`freers`."""
     chained = [node for node in rec.tree.walk() if _chained_children(node)]
-    return {node: tuple(_runs_of(rec, line, node, gone.get(node, []), freers)) for node in chained}
-
-
-def _run_held_from(
-    rec: Recording, line: Timeline, kids: list[Node], gone: list[tuple[int, int, int]]
-) -> Steps:
-    """What run ``kids`` stops holding part-way through its forward: the parent's
-    :func:`released` storages let go inside the run's span, other than the run's inputs."""
-    begin, stop = line.spans[kids[0]][0], line.spans[kids[-1]][1]
-    inputs = rec.input_keys[kids[0]]
-    return _steps([(p, -size) for p, key, size in gone if begin < p <= stop and key not in inputs])
+    return {node: tuple(_runs_of(rec, line, node, freers)) for node in chained}
 
 
 def _child_of(rec: Recording, node: Node, index: dict[Node, int], inner: Node) -> int:
@@ -332,11 +317,7 @@ def _charges(
 
 
 def _runs_of(
-    rec: Recording,
-    line: Timeline,
-    node: Node,
-    gone: list[tuple[int, int, int]],
-    freers: dict[int, list[Node]],
+    rec: Recording, line: Timeline, node: Node, freers: dict[int, list[Node]]
 ) -> list[Run]:
     kids, events = node.children, rec.events
     gain, cached_gain = _gains(rec, node)
@@ -363,6 +344,5 @@ def _runs_of(
             begins = line.backward_now.get(last, 0) if first is None else first[1]
             frees = freed - charges[j]
             peak = begins - frees + added if last in line.backward_now else 0
-            held_from = _run_held_from(rec, line, kids[i:j], gone)
-            found.append(Run(i, j, frees, peak, charges[j], held_from, cached))
+            found.append(Run(i, j, frees, peak, charges[j], cached))
     return found

@@ -377,7 +377,7 @@ class _Assembly:
         self.charged = inputs.charged_inputs(rec, line, freers)
         self.freed, self.cached = cost_model.freed_bytes(rec, freers, self.charged)
         self.released = cost_model.released(rec, {n: end for n, (_, end) in line.spans.items()})
-        self.runs = cost_model.runs(rec, line, self.released, freers)
+        self.runs = cost_model.runs(rec, line, freers)
         self.found: dict[Node, NodeCost] = {}
 
     def costs(self) -> dict[Node, NodeCost]:

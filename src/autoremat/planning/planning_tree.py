@@ -16,7 +16,7 @@ from torch import nn
 from autoremat.core.entries import parse_run
 from autoremat.core.selective import FULL
 from autoremat.costs.profile import NodeCost, Profile
-from autoremat.planning.solver import Item, RunCost
+from autoremat.planning.solver import Item
 from autoremat.record.tree import Node
 from autoremat.wrap.wrapping import unwrappable_reason
 
@@ -115,24 +115,31 @@ class _Builder:
             seconds=self.timed(cost, FULL),
         )
 
-    def runs(self, cost: NodeCost, kids: list[Node]) -> tuple[RunCost, ...]:
-        """The runs of ``cost`` that can be recomputed exactly: none of their children changes
-        Python state, and the first one's inputs are not changed in place (the run's inputs;
-        the others' are made inside the run)."""
-        return tuple(
-            (
-                r.i,
-                r.j,
-                r.freed - self.rng,
-                sum(self.prof[c.path].flops for c in kids[r.i : r.j]),
-                self.peak(r.recompute_peak, sum(_buffer_bytes(c.module) for c in kids[r.i : r.j])),
-                r.held + self.rng,
-                r.held_from,
-                r.cached,
+    def runs(self, cost: NodeCost, kids: list[Node]) -> tuple[tuple[int, int, Item], ...]:
+        """The runs of ``cost`` that can be recomputed exactly, as items: none of their
+        children changes Python state, and the first one's inputs are not changed in place (the
+        run's inputs; the others' are made inside the run)."""
+        found = []
+        for r in cost.runs:
+            if kids[r.i].inplace_reason or any(c.replay_reason for c in kids[r.i : r.j]):
+                continue
+            parts = [self.prof[c.path] for c in kids[r.i : r.j]]
+            seconds = [self.timed(c, FULL) for c in parts]
+            buffers = sum(_buffer_bytes(c.module) for c in kids[r.i : r.j])
+            item = Item(
+                path=f"{cost.path}[{r.i}:{r.j}]",
+                start=parts[0].start,
+                end=parts[-1].end,
+                freed=r.freed - self.rng,
+                flops=sum(c.flops for c in parts),
+                recompute_peak=self.peak(r.recompute_peak, buffers),
+                written=sum(c.written for c in parts),
+                held=r.held + self.rng,
+                cached=r.cached,
+                seconds=None if None in seconds else sum(seconds),  # type: ignore[arg-type]
             )
-            for r in cost.runs
-            if not kids[r.i].inplace_reason and not any(c.replay_reason for c in kids[r.i : r.j])
-        )
+            found.append((r.i, r.j, item))
+        return tuple(found)
 
     def other_ways(self, node: Node, cost: NodeCost) -> tuple[Item, ...]:
         """The selective ways worth offering: each frees something and keeps something, keeps

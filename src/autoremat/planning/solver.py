@@ -33,7 +33,6 @@ states within one step. The work is ``O((nodes x ways + runs) x frontier)``.
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -48,11 +47,7 @@ NONE = -(2**62)  # the bytes at a point where no moment was seen (below any budg
 FLOPS_PER_SECOND = 1e11
 TIE_PER_BYTE = 1e-3
 
-__all__ = ["Infeasible", "Item", "RunCost", "min_peak", "solve", "walk_peak"]
-
-# A run [i:j) of a node's children recomputed as one (a plain Sequential): (i, j, freed, flops,
-# recompute_peak, held, held_from, cached), the last six as :class:`Item` has them
-RunCost = tuple[int, int, int, int, int, int, tuple[tuple[int, int], ...], int]
+__all__ = ["Infeasible", "Item", "min_peak", "solve", "walk_peak"]
 
 
 @dataclass(frozen=True)
@@ -67,8 +62,9 @@ class Item:
     candidate: bool = True
     children: tuple[Item, ...] = ()
     recompute_peak: int = 0
-    # runs of two or more children that can be recomputed as one (:data:`RunCost`)
-    runs: tuple[RunCost, ...] = ()
+    # runs of two or more children that can be recomputed as one: (i, j, the run [i:j) as an
+    # item named path[i:j], spanning those children)
+    runs: tuple[tuple[int, int, Item], ...] = ()
     written: int = 0  # bytes the recompute's ops write
     # bytes it keeps alive during its own forward beyond the step without recompute (inputs
     # the checkpoint holds): added to the points inside its span, and to those of its
@@ -93,35 +89,6 @@ class Item:
     def freed_in_forward(self) -> int:
         """What recomputing it frees at the points of the forward after its end."""
         return self.freed - self.cached
-
-    def run_item(
-        self,
-        i: int,
-        j: int,
-        freed: int,
-        flops: int,
-        recompute_peak: int,
-        held: int = 0,
-        held_from: tuple[tuple[int, int], ...] = (),
-        cached: int = 0,
-    ) -> Item:
-        """The run ``[i:j)`` of this node's children as one item, named ``path[i:j]``; its
-        bytes written and seconds are its children's."""
-        kids = self.children[i:j]
-        seconds = [k.seconds for k in kids]
-        return Item(
-            path=f"{self.path}[{i}:{j}]",
-            start=kids[0].start,
-            end=kids[-1].end,
-            freed=freed,
-            flops=flops,
-            recompute_peak=recompute_peak,
-            held=held,
-            held_from=held_from,
-            cached=cached,
-            written=sum(k.written for k in kids),
-            seconds=None if None in seconds else sum(seconds),  # type: ignore[arg-type]
-        )
 
     def held_at(self, point: int) -> int:
         """The bytes more than the step without recompute live at ``point``, inside the span,
@@ -158,13 +125,11 @@ class Item:
             return []
         return [i for i in (self, *self.other_ways) if i.freed > 0]
 
-    @functools.cached_property
+    @property
     def run_items(self) -> tuple[tuple[int, int, Item], ...]:
         """``(i, j, item)`` for each run ``[i:j)`` that frees something, none if this node
-        is not a candidate: made once (a solve for each budget reuses them)."""
-        if not self.candidate:
-            return ()
-        return tuple((r[0], r[1], self.run_item(*r)) for r in self.runs if r[2] > 0)
+        is not a candidate."""
+        return tuple(r for r in self.runs if r[2].freed > 0) if self.candidate else ()
 
     def walk(self) -> list[Item]:
         out = [self]
@@ -301,7 +266,7 @@ class _Solver:
         # some item frees less in the forward than after it: states carry both
         self.phased = any(
             w.cached for i in root.walk() for w in (i, *i.other_ways)
-        ) or any(r[7] for i in root.walk() for r in i.runs)
+        ) or any(r.cached for i in root.walk() for _, _, r in i.runs)
         self.counter = itertools.count()
         self.useful: dict[int, bool] = {}
         self._mark(root)
