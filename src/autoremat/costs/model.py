@@ -186,11 +186,16 @@ def kept_cost(rec: Recording, node: Node, kept: Storages) -> tuple[int, int]:
     for key, size in kept.items():
         if key in rec.input_keys[node]:
             continue
-        if all(rec.within(p, node) for p in rec.kept_savers.get(key, ())):
+        if all(rec.within(p, node) for p in _savers(rec, key)):
             lost += size
         elif rec.kept_freed.get(key, begins + 1) <= begins:
             let_go += size
     return lost, let_go
+
+
+def _savers(rec: Recording, key: int) -> set[Node]:
+    """The nodes that saved storage ``key`` for backward (none: nothing saved it)."""
+    return rec.savers[key][1] if key in rec.savers else set()
 
 
 def held_from(
@@ -204,13 +209,13 @@ def held_from(
     selective way keeps, empty for a whole recompute): less what finished parts saved, which
     its forward drops; more each kept output nothing saves, from the point it was made (an
     upper bound: the step without recompute may hold it a while too)."""
-    cached = {key for key in kept if rec.kept_savers.get(key)}
+    cached = {key for key in kept if _savers(rec, key)}
     return _steps(
         [(p, -size) for p, key, size in gone if key not in cached]
         + [
             (point, size)
             for key, size in kept.items()
-            if not rec.kept_savers.get(key)
+            if not _savers(rec, key)
             for point in [line.ended_before[rec.born[key]]]
         ]
     )

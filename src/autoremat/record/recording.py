@@ -84,10 +84,9 @@ class Recording:
 
     ``savers``: storage key -> (bytes, the innermost modules that saved it for backward);
     ``input_keys``/``output_keys``: the new storages each module took in and gave out;
-    ``kept_savers``: kept output's storage key -> who saved it; ``born``: its key -> the event
-    count when it was made; ``last_save``: module -> (event count, peak then) at its forward's
-    last save; ``unpacked``: module -> (order, live bytes) when backward first used what it
-    saved.
+    ``born``: a kept output's storage key -> the event count when it was made; ``last_save``:
+    module -> (event count, peak then) at its forward's last save; ``unpacked``: module ->
+    (order, live bytes) when backward first used what it saved.
     """
 
     tree: Node
@@ -97,7 +96,6 @@ class Recording:
     savers: dict[int, tuple[int, set[Node]]]
     input_keys: dict[Node, dict[int, int]]
     output_keys: dict[Node, set[int]]
-    kept_savers: dict[int, set[Node]]
     born: dict[int, int]
     last_save: dict[Node, tuple[int, int]]
     unpacked: dict[Node, tuple[int, int]]
@@ -254,7 +252,6 @@ class _Recorder:
             savers={},
             input_keys=defaultdict(dict),
             output_keys=defaultdict(set),
-            kept_savers=defaultdict(set),
             born={},
             last_save={},
             unpacked={},
@@ -289,8 +286,6 @@ class _Recorder:
             rec.savers[key] = (t.untyped_storage().nbytes(), set())
             rec.own_saved[here] += t.untyped_storage().nbytes()
         rec.savers[key][1].add(here)
-        if key in self.costs.kept.born:
-            rec.kept_savers[key].add(here)
         return here, t
 
     def unpack(self, packed: tuple[Node, torch.Tensor]) -> torch.Tensor:
