@@ -66,12 +66,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# What fit maximises (``fit(objective=...)``).
-FIT_OBJECTIVES = ("batch", "throughput")
+# What fit maximises (``fit(objective=...)``), each with what its summary says of it.
 _AIMS = {
     "batch": "objective 'batch': the largest batch; 'throughput' picks the most samples/s",
     "throughput": "objective 'throughput': the most samples per second",
 }
+FIT_OBJECTIVES = tuple(_AIMS)
 
 
 @dataclass(frozen=True)
