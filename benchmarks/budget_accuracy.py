@@ -92,12 +92,15 @@ def rows_for(name: str, precision: str, memory: str, singles: bool) -> list[dict
 
 
 def _hand_lowest(model: Any, prof: Any, run: Any, singles: bool) -> int:
-    """The least peak of the plans written by hand: every block, every block's children
-    (and, with ``singles``, every module alone), each run (a run equals the measured step:
-    ``tests/test_search.py``); the peak without recompute if there are none."""
-    blocks = find_blocks(prof.module_tree) if prof.module_tree else []
-    kids = [f"{b}.{c}" for b in blocks for c, _ in model.get_submodule(b).named_children()]
-    plans = [blocks, kids]
+    """The least peak of the plans written by hand: every block (of one class; of one
+    container), every block's children (and, with ``singles``, every module alone), each run
+    (a run equals the measured step: ``tests/test_search.py``); the peak without recompute if
+    there are none."""
+    plans = []
+    for by in ("class", "container") if prof.module_tree else ():
+        blocks = find_blocks(prof.module_tree, by=by)
+        kids = [f"{b}.{c}" for b in blocks for c, _ in model.get_submodule(b).named_children()]
+        plans += [blocks, kids] if blocks not in plans else []
     if singles:
         plans += [[n.path] for n in prof.module_tree.walk() if n.path and not n.is_leaf]
     peaks = [prof.peak]

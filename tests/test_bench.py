@@ -119,6 +119,27 @@ def test_find_blocks_needs_two_members() -> None:
     assert find_blocks(leaf("")) == []
 
 
+def test_find_blocks_by_container_takes_numbered_siblings_of_any_class() -> None:
+    """A hybrid model's layers (``layers.0`` a mamba layer, ``layers.1`` an attention layer,
+    ...): one group by their container, where by class the larger class alone is a group."""
+    tree = node(
+        "",
+        A(),
+        node("layers.0", A(), leaf("layers.0.0")),
+        node("layers.1", B(), leaf("layers.1.0")),
+        node("layers.2", A(), leaf("layers.2.0")),
+        node("head", A(), leaf("head.0")),  # not numbered: not one of the layers
+        leaf("layers.3"),  # a leaf: never a block
+    )
+    assert find_blocks(tree) == ["layers.0", "layers.2", "head"]
+    assert find_blocks(tree, by="container") == ["layers.0", "layers.1", "layers.2"]
+    two = node("", A(), node("m.0", A(), leaf("m.0.0")), node("m.1", B(), leaf("m.1.0")))
+    assert find_blocks(two) == []  # no two of one class
+    assert find_blocks(two, by="container") == ["m.0", "m.1"]
+    with pytest.raises(ValueError, match="'class' or 'container'"):
+        find_blocks(two, by="type")
+
+
 def test_find_blocks_on_real_trees() -> None:
     model, args, kwargs = tiny_gpt()
     assert find_blocks(build_tree(model, args, kwargs)) == ["h.0", "h.1", "h.2", "h.3"]

@@ -211,9 +211,10 @@ def lowest_budget(
 ) -> int:
     """The lowest budget, in bytes, that :func:`autoremat.plan` meets for this model and inputs: the
     lowest step peak among the plans the planner makes (each run: the walk's lowest plan,
-    every block and every block's children recomputed), the same figure an infeasible
-    budget's error states. A plan at it holds; a budget below it raises
-    :class:`~autoremat.BudgetTooLow`. Profiles one training step; the model is left as found.
+    every block and every block's children recomputed: blocks of one class, and the layers of
+    one container), the same figure an infeasible budget's error states. A plan at it holds; a
+    budget below it raises :class:`~autoremat.BudgetTooLow`. Profiles one training step; the
+    model is left as found.
 
     Raises:
         ValueError: no submodule ran, or ``objective`` is unknown; see :func:`activation_plan`.

@@ -12,8 +12,9 @@ the run said, and the walk asked again:
   excess, bisecting once a limit that fits and one that does not are known, for at most
   :data:`TRIES` runs; the cheapest plan that fitted wins.
 * :func:`lowest`: the lowest peak among the plans the planner can make: the walk's own lowest
-  plan and the plans people write by hand (every block; every block's children), each run
-  but those whose :func:`floor` is above the least peak run so far.
+  plan and the plans people write by hand (every block, of one class or of one container;
+  every block's children), each run but those whose :func:`floor` is above the least peak
+  run so far.
 
 Pure but for the judge: items in, items out (what a judge runs is the caller's).
 """
@@ -160,22 +161,29 @@ def floor(walk: Walk, chosen: Chosen) -> int:
     return walk.top - sum(i.freed for i in chosen)
 
 
-def hand_plans(root: Item, blocks: Sequence[str]) -> list[Chosen]:
-    """The plans people write by hand for a model whose blocks are ``blocks`` (module paths,
-    :func:`autoremat.record.tree.find_blocks`): every call of every block recomputed whole;
-    every block's children instead; and, for each outermost module that ran several times
-    (a shared layer, a cell stepped in a loop), all its calls. Each with the nodes that can be
-    chosen (candidates), empty plans left out."""
-    calls = [
-        i for i in root.walk() if any(i.path == b or i.path.startswith(f"{b}@") for b in blocks)
-    ]
-    whole = tuple(i for i in calls if i.candidate)
-    children = tuple(c for i in calls for c in i.children if c.candidate)
+def hand_plans(root: Item, groups: Sequence[Sequence[str]]) -> list[Chosen]:
+    """The plans people write by hand for a model whose blocks are each of ``groups`` (module
+    paths, :func:`autoremat.record.tree.find_blocks`: blocks of one class, the layers of one
+    container): every call of every block recomputed whole; every block's children instead;
+    and, for each outermost module that ran several times (a shared layer, a cell stepped in a
+    loop), all its calls. Each with the nodes that can be chosen (candidates), empty and
+    repeated plans left out."""
+    plans: list[tuple[Item, ...]] = []
+    for blocks in groups:
+        calls = [
+            i for i in root.walk() if any(i.path == b or i.path.startswith(f"{b}@") for b in blocks)
+        ]
+        plans.append(tuple(i for i in calls if i.candidate))
+        plans.append(tuple(c for i in calls for c in i.children if c.candidate))
     shared: dict[str, list[Item]] = {}
     _called_again(root, shared)
-    each = (tuple(i for i in found if i.candidate) for found in shared.values())
-    plans = [whole, children, *each]
-    return [tuple(sorted(plan, key=lambda i: i.end)) for plan in plans if plan]
+    plans += [tuple(i for i in found if i.candidate) for found in shared.values()]
+    unique: dict[tuple[int, ...], Chosen] = {}
+    for plan in plans:
+        ordered = tuple(sorted(plan, key=lambda i: i.end))
+        if ordered:
+            unique.setdefault(tuple(map(id, ordered)), ordered)
+    return list(unique.values())
 
 
 def _called_again(item: Item, found: dict[str, list[Item]]) -> None:

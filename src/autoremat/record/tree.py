@@ -302,16 +302,23 @@ class _Calls:
         ]
 
 
-def find_blocks(tree: Node) -> list[str]:
+def find_blocks(tree: Node, by: str = "class") -> list[str]:
     """The paths of the model's "blocks": the largest group of sibling nodes of ``tree`` that
-    have the same class and are not leaves.
+    are not leaves and have the same class (``by="class"``), or that sit numbered in one
+    container, whatever their classes (``by="container"``: ``layers.0``, ``layers.1``, ... of
+    a ``ModuleList`` or ``Sequential``, such as a hybrid model's mamba and attention layers).
 
     Siblings are the children of one node (containers such as ``nn.ModuleList`` that never
     ran are dissolved by :func:`autoremat.build_tree`, so ``h.0 .. h.11`` are siblings). Ties
     go to the shallower group, then to the group met first (depth first, registration order).
     A group needs at least two members; returns ``[]`` when there is none (a plain chain of
     leaves, a model without repeated structure). Pure: reads the tree only.
+
+    Raises:
+        ValueError: ``by`` is neither ``"class"`` nor ``"container"``.
     """
+    if by not in ("class", "container"):
+        raise ValueError(f"by must be 'class' or 'container', got {by!r}")
     best: list[Node] = []
     best_depth = 0
     stack: list[tuple[Node, int]] = [(tree, 0)]
@@ -319,8 +326,10 @@ def find_blocks(tree: Node) -> list[str]:
         node, depth = stack.pop()
         groups: dict[str, list[Node]] = {}
         for child in node.children:
-            if not child.is_leaf:
-                groups.setdefault(child.type_name, []).append(child)
+            container, _, index = child.path.rpartition(".")
+            key = child.type_name if by == "class" else container if index.isdigit() else None
+            if not child.is_leaf and key is not None:
+                groups.setdefault(key, []).append(child)
         for group in groups.values():
             size = len(group)
             if size >= 2 and (size > len(best) or (size == len(best) and depth + 1 < best_depth)):

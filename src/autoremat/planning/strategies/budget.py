@@ -151,8 +151,9 @@ class Planner:
         prof = self.prof
         root = self.tree("flops")
         walk = Walk(root, prof.backward_points, prof.forward_points)
-        blocks = find_blocks(prof.module_tree) if prof.module_tree else []
-        hand = hand_plans(root, blocks)
+        tree = prof.module_tree
+        groups = [find_blocks(tree), find_blocks(tree, by="container")] if tree else []
+        hand = hand_plans(root, groups)
         tried = [h for k, h in enumerate(hand) if self.hands is None or k in self.hands]
         bounded = self.rehearsal.eager  # (its runs are of the profiled step)
         chosen, least = lowest(walk, self.peak, tried, bounded=bounded)
