@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 from torch import nn
 
@@ -32,6 +34,7 @@ from autoremat.comparison.applied import as_applied
 from autoremat.comparison.contenders import every_block
 from autoremat.comparison.recomputed import RecomputeCounter
 from autoremat.core import huggingface
+from autoremat.core.host_rng import get_host_rng, set_host_rng
 from autoremat.core.own_checkpointing import switched_off, switched_on
 from autoremat.planning.plan import plan_from_profile, profile_lowest
 from autoremat.record.step import default_loss
@@ -142,14 +145,18 @@ def _autocast(precision: str) -> Any:
 def trajectory(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], precision: str
 ) -> list[torch.Tensor]:
-    """Train ``STEPS`` SGD steps (seed ``k`` before step ``k``); every loss and gradient on
-    the way and every parameter and buffer after, in order."""
+    """Train ``STEPS`` SGD steps (torch's, Python's and NumPy's generators seeded ``k`` before
+    step ``k``: Wav2Vec2's SpecAugment masks are NumPy's; Python's and NumPy's put back after);
+    every loss and gradient on the way and every parameter and buffer after, in order."""
     seen: list[torch.Tensor] = []
     params = [p for p in model.parameters() if p.requires_grad]
+    host = get_host_rng()
     for k in range(STEPS):
         for p in params:
             p.grad = None
         torch.manual_seed(k)
+        random.seed(k)
+        numpy.random.seed(k)
         with _autocast(precision):
             loss = default_loss(model(*args, **kwargs))
         loss.backward()
@@ -160,6 +167,7 @@ def trajectory(
                     seen.append(p.grad.clone())
                     p.sub_(LR * p.grad)
     seen += [t.detach().clone() for t in model.state_dict().values()]
+    set_host_rng(host)
     return seen
 
 
