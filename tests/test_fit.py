@@ -260,7 +260,7 @@ def test_autocast_is_sized_on_meta_as_it_runs(name: str) -> None:
     found = autoremat.fit(
         model,
         lambda b: scale_batch(args, kwargs, b),
-        device_memory="64MiB",
+        device_memory="32MiB",
         autocast=torch.bfloat16,
         optimizer="sgd",
     )

@@ -240,11 +240,12 @@ def fit_cases(world: int, shardings: tuple[str, ...] = ("ddp", "fsdp2")) -> list
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Two real ranks (fit's batch under FSDP2 only). Four ranks, and fit under DDP, are
-    ``benchmarks/per_rank.py``'s (its table: every case to the byte); on two cores four ranks
-    took 40 s of the suite."""
+    """Two real ranks, on the built-in example and a GPT-2 whose cache is on (a plan turns it
+    off, so both are stepped), fit's batch under FSDP2 only. Four ranks, a GPT-2 built with
+    its cache off, and fit under DDP are ``benchmarks/per_rank.py``'s (its table: every case
+    to the byte); on two cores they took a minute of the suite."""
     world = 2
-    cases = cases_for(world) + fit_cases(world, ("fsdp2",))
+    cases = cases_for(world, models=("tinygpt", "gpt2-cache")) + fit_cases(world, ("fsdp2",))
     return world, cases, launch(world, cases, tmp_path_factory.mktemp(f"ranks{world}"))
 
 

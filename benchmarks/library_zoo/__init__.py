@@ -70,6 +70,8 @@ def _entries() -> list[ZooModel]:
         (language.hf_mamba, "transformers", "state-space scan"),
         (language.hf_rwkv, "transformers", "recurrent state over tokens"),
         (language.hf_recurrent_gemma, "transformers", "gated linear recurrence"),
+        (language.hf_zamba2, "transformers", "hybrid Mamba-2/attention, layers of two classes"),
+        (language.hf_wav2vec2, "transformers", "audio CTC, SpecAugment masks from NumPy"),
         (language.hf_olmoe, "transformers", "mixture of experts, router loss"),
         (language.hf_mixtral, "transformers", "mixture of experts, router loss"),
         (language.peft_lora_llama, "peft", "LoRA on a decoder, frozen base"),

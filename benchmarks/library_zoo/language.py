@@ -220,3 +220,37 @@ def hf_recurrent_gemma() -> Example:
         block_types=("recurrent", "recurrent", "attention"), head_dim=16,
     )
     return _language_model(transformers.RecurrentGemmaForCausalLM(config))
+
+
+@seeded
+def hf_zamba2() -> Example:
+    """Zamba2ForCausalLM (a hybrid: a Mamba-2 layer and a layer of shared attention plus its
+    own Mamba-2, two classes, so the model's blocks are its container's layers)."""
+    import transformers
+
+    config = transformers.Zamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=128, max_position_embeddings=64,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_headdim=16, mamba_ngroups=1,
+        n_mamba_heads=8, layers_block_type=["mamba", "hybrid"],
+        layer_types=["mamba", "hybrid"], use_mem_rope=True,
+    )
+    return _language_model(transformers.Zamba2ForCausalLM(config))
+
+
+@seeded
+def hf_wav2vec2() -> Example:
+    """Wav2Vec2ForCTC with SpecAugment (time and feature masks drawn from NumPy's generator
+    in training, a recompute must draw the same) and a CTC loss, on 2 x 4,000 samples."""
+    import transformers
+
+    config = transformers.Wav2Vec2Config(
+        vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, conv_dim=(32, 32, 32), conv_stride=(5, 4, 4),
+        conv_kernel=(10, 4, 4), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        mask_time_prob=0.3, mask_time_length=4, mask_feature_prob=0.2,
+        mask_feature_length=8, layerdrop=0.0, ctc_loss_reduction="mean",
+    )
+    labels = torch.randint(1, 32, (BATCH, 8))
+    model = transformers.Wav2Vec2ForCTC(config)
+    return model, (), {"input_values": torch.randn(BATCH, 4000), "labels": labels}
