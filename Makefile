@@ -1,5 +1,5 @@
 # Quick start: `make demo` runs the main job, `make test` runs the tests.
-# Both create .venv and install the pinned dependencies on first use (about a minute).
+# Both create .venv and install the pinned dependencies on first use (1-2 minutes).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	@echo "Creating $(VENV) and installing autoremat with its pinned dev dependencies..."
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --progress-bar on -e '.[dev]' | grep -E '^(Collecting|Successfully)' || true
+	$(BIN)/python -m pip install --progress-bar on -e '.[dev]' 2>&1 | grep -E '^(Collecting|Successfully|ERROR)' || true
 	$(BIN)/python -c "import autoremat, torch, transformers, mypy"
 	touch $(STAMP)
 
@@ -20,7 +20,7 @@ ZOO_STAMP := $(ZOO_VENV)/.installed
 $(ZOO_STAMP): pyproject.toml
 	@echo "Creating $(ZOO_VENV) with autoremat's dev and zoo extras..."
 	$(PYTHON) -m venv $(ZOO_VENV)
-	$(ZOO_VENV)/bin/python -m pip install --progress-bar on -e '.[dev,zoo]' | grep -E '^(Collecting|Successfully)' || true
+	$(ZOO_VENV)/bin/python -m pip install --progress-bar on -e '.[dev,zoo]' 2>&1 | grep -E '^(Collecting|Successfully|ERROR)' || true
 	cd benchmarks && ../$(ZOO_VENV)/bin/python -c "import library_zoo, torchvision, timm, diffusers, peft"
 	touch $(ZOO_STAMP)
 

@@ -207,12 +207,24 @@ def test_device_memory_forms_and_cuda_estimates() -> None:
         device_model("lots")
 
 
+def test_make_inputs_must_be_a_function_and_the_error_shows_one() -> None:
+    """A new user passed the module ``autoremat.training.scale_batch`` (the README named it)
+    and met "'module' object is not callable" deep in the search; now one line at once."""
+    model, _, _ = EXAMPLES["mlp"]()
+    with pytest.raises(TypeError, match=r"make_inputs must be a function of the batch size "
+                       r"that returns \(args, kwargs\), such as lambda b: autoremat\.scale_batch"
+                       r"\(args, kwargs, b\); got module autoremat\.training\.scale_batch$"):
+        autoremat.fit(model, autoremat.training.scale_batch, device_memory="64MiB")  # type: ignore[arg-type]
+    assert autoremat.scale_batch is scale_batch
+
+
 @pytest.mark.slow
 def test_the_fit_command_prints_the_batch_the_plan_and_the_memory(capsys: Any) -> None:
     assert main(["fit", "mlp", "--device-memory", "48MiB", "--optimizer", "sgd"]) == 0
     out = capsys.readouterr().out
     assert "batch" in out and "fits 48.00 MiB on cpu" in out
-    assert "predicted memory" in out and "measured: tensors at most" in out and "(fits)" in out
+    assert "predicted memory (optimizer sgd)" in out and "measured: tensors at most" in out
+    assert "(fits)" in out
     assert "Plan for Sequential" in out
 
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -266,6 +267,8 @@ def test_the_lowest_budget_holds_a_byte_less_does_not_and_hand_plans_measure_no_
     with pytest.raises(autoremat.BudgetTooLow) as info:
         autoremat.plan(model, args, kwargs, budget=least - 4096, objective="flops")
     assert info.value.lowest == least
+    asked, reached = re.search(r"^budget (.+?) \(.*reaches, (.+?) \(", str(info.value)).groups()
+    assert asked != reached  # (where both round to one size, the bytes are given)
     prof = autoremat.profile(model, args, kwargs)
     hand = []
     for by in ("class", "container"):

@@ -39,6 +39,7 @@ from autoremat.training.fit import fit
 from autoremat.training.measure_memory import measure_memory
 from autoremat.training.plan import plan
 from autoremat.training.predict_memory import predict_memory
+from autoremat.training.scale_batch import scale_batch
 from autoremat.training.sharding import Sharding
 from autoremat.wrap.replay import is_recomputing
 from autoremat.wrap.wrapping import remove
@@ -62,5 +63,6 @@ __all__ = [
     "predict_memory",
     "profile",
     "remove",
+    "scale_batch",
 ]
 __version__ = "0.1.0"

@@ -94,6 +94,8 @@ class Fit:
     by_allocator: tuple[int, ...] = ()
     # each batch the search tried, with the whole step's memory at its most recompute
     tried: tuple[tuple[int, StepMemory], ...] = field(default=(), repr=False)
+    # the optimizer whose state was counted, in words ("adamw", "AdamW", "none")
+    optimizer: str = ""
 
     @property
     def fits(self) -> bool | None:
@@ -122,7 +124,8 @@ class Fit:
             f"{(self.plan.recompute_flops or 0) / 1e9:.3f} GFLOP",
         ]
         if self.chosen is not None:
-            lines += ["predicted memory:", str(self.chosen.memory)]
+            counted = f" (optimizer {self.optimizer})" if self.optimizer else ""
+            lines += [f"predicted memory{counted}:", str(self.chosen.memory)]
             kept = self.chosen.output_bytes  # (not named when a few bytes: a loss alone)
             lines.append(
                 "assumed: each step's tensors are freed before the next forward"
@@ -168,7 +171,7 @@ def fit(
     cheapest plan for it (module docstring).
 
     ``make_inputs(batch)`` returns ``(args, kwargs)`` for that batch size (for instance
-    ``lambda b: scale_batch(args, kwargs, b)``, :mod:`autoremat.training.scale_batch`); it is called
+    ``lambda b: autoremat.scale_batch(args, kwargs, b)``); it is called
     under ``torch.device("meta")`` for sizing, and once as it is for the check. ``device_memory``:
     bytes, a size (``"24GiB"``) or a fraction (``"90%"``) of the model's device
     (:mod:`autoremat.training.device_model`). ``optimizer`` as :func:`autoremat.predict_memory`
@@ -187,9 +190,9 @@ def fit(
             (the message gives what its step needs, one part a line).
         ValueError: an unknown objective or optimizer, a malformed ``device_memory`` or
             ``reserve``.
+        TypeError: ``make_inputs`` is not callable (the message shows a call that is).
     """
-    if objective not in FIT_OBJECTIVES:
-        raise ValueError(f"objective must be one of {FIT_OBJECTIVES}, got {objective!r}")
+    _check(objective, make_inputs)
     dm = device_model(device_memory, model_device(model), reserve)
     spec = step_autocast(autocast, model)
     ranks = sharding_of(model, sharding)
@@ -205,10 +208,29 @@ def fit(
                                 verify, ranks)  # fmt: skip
     found = Fit(chosen.batch, plan, dm, tuple(candidates), without, measured, objective, chosen,
                 unsafe, tuple(prober.seen) if prober.by_allocator else (),
-                _tried(prober))  # fmt: skip
+                _tried(prober), _named(optimizer))  # fmt: skip
     if found.fits is False:  # (a warning, and the Fit says so)
         logger.warning("batch %d was predicted to fit but measured %s", found.batch, measured)
     return found
+
+
+def _check(objective: str, make_inputs: Inputs) -> None:
+    """:func:`fit`'s ``objective`` and ``make_inputs`` checked before anything runs."""
+    if objective not in FIT_OBJECTIVES:
+        raise ValueError(f"objective must be one of {FIT_OBJECTIVES}, got {objective!r}")
+    if not callable(make_inputs):
+        raise TypeError(
+            f"make_inputs must be a function of the batch size that returns (args, kwargs), "
+            f"such as lambda b: autoremat.scale_batch(args, kwargs, b); got "
+            f"{type(make_inputs).__name__} {getattr(make_inputs, '__name__', '')}".rstrip()
+        )
+
+
+def _named(optimizer: OptimizerLike) -> str:
+    """``optimizer`` in words: its name, its class's, or "none"."""
+    if optimizer is None or isinstance(optimizer, str):
+        return str(optimizer).lower()
+    return getattr(optimizer, "__name__", type(optimizer).__name__)
 
 
 def _tried(prober: Prober) -> tuple[tuple[int, StepMemory], ...]:

@@ -164,9 +164,12 @@ class Planner:
         least, prof, request = self.lowest()[1], self.prof, self.request
         given = request.budget.given if isinstance(request.budget, Budget) else request.budget
         hint = percent_hint(given)
+        asked, reached = format_size(limit), format_size(least)
+        if asked == reached:  # (a budget just below: the bytes tell them apart)
+            asked, reached = f"{limit:,} bytes", f"{least:,} bytes"
         return BudgetTooLow(
-            f"budget {format_size(limit)} ({given!r}) is below the lowest peak that "
-            f"recomputing modules of {request.model_name} reaches, {format_size(least)} "
+            f"budget {asked} ({given!r}) is below the lowest peak that "
+            f"recomputing modules of {request.model_name} reaches, {reached} "
             f"({least / prof.peak:.0%} of the {format_size(prof.peak)} peak without "
             f"recompute; about {least} bytes). Try budget={least}, a smaller batch"
             f"{'' if request.autocast else ', or mixed precision'}."
