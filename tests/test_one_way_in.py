@@ -90,6 +90,11 @@ def test_segments_zero_says_it_recomputes_the_whole_model_once(caplog):
     said = [r for r in caplog.records if "recomputes the whole Blocks" in r.getMessage()]
     assert len(said) == 1 and "use segments=1 or more" in said[0].getMessage()
     assert "whole_model" not in autoremat.plan(model, (x,), segments=1).warnings
+    flat = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+    said = autoremat.plan(flat, (x,), segments=5).warnings["whole_model"]  # (no count splits it)
+    assert "its children are all leaves" in said and "budget=" in said and "segments=" not in (
+        said.split("takes longer;")[1]
+    )
 
 
 def test_the_command_line_says_segments_zero_saves_nothing(capsys):

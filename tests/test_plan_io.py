@@ -99,6 +99,41 @@ def test_fingerprint_ignores_sizes_and_wrapping_but_not_structure() -> None:
     assert fingerprint(a) == before
 
 
+def test_a_plan_on_a_model_of_its_structure_with_other_parameters_warns(caplog) -> None:
+    """A fresh user applied a saved plan to the same model built 4x wider, without a word:
+    the entries apply (the structure is the same), but the plan's budget and figures were the
+    other model's. The plan keeps its model's parameter bytes and says so; a file saved
+    before it kept them loads and applies without the check."""
+
+    def mlp(width: int) -> nn.Module:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 4))
+
+    plan = autoremat.plan(mlp(4), (torch.randn(8, 4),), segments=2)
+    assert plan.modules and plan.parameter_bytes == (4 * 4 + 4) * 2 * 4
+    loaded = Plan.from_json(json.dumps(plan.to_dict()))
+    assert loaded == plan and loaded.parameter_bytes == plan.parameter_bytes
+    said = lambda: [r.getMessage() for r in caplog.records if r.name == "autoremat.planning.plans"]  # noqa: E731
+    with caplog.at_level("WARNING", logger="autoremat.planning.plans"):
+        loaded.apply(mlp(4))
+        assert not said()
+        for other in (mlp(16), mlp(4).to(torch.bfloat16)):
+            loaded.apply(other)
+            assert wrapped_paths(other) == tuple(plan.modules)
+        assert [m.split(";")[0] for m in said()] == [
+            "this plan was made for a Sequential whose parameters hold 160 B",
+            "this plan was made for a Sequential whose parameters hold 160 B",
+        ]
+        assert "this one's hold 592 B" in said()[0] and "this one's hold 80 B" in said()[1]
+        assert "Make a plan from this model" in said()[0]
+        caplog.clear()
+        old = plan.to_dict()
+        del old["parameter_bytes"]
+        Plan.from_dict(old).apply(mlp(16))
+        assert not said()
+
+
 def test_plan_without_fingerprint_applies_by_names_alone() -> None:
     plan = Plan(modules=("0",), strategy="levels", model_class="Sequential")
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
@@ -125,6 +160,8 @@ def test_not_json_is_a_clear_error(tmp_path: Path) -> None:
         ({"budget": True}, "'budget'"),
         ({"choices": [{"path": "h.0"}]}, "choice"),
         ({"fingerprint": 12}, "'fingerprint'"),
+        ({"parameter_bytes": -1}, "'parameter_bytes'"),
+        ({"parameter_bytes": "160"}, "'parameter_bytes'"),
     ],
 )
 def test_malformed_plan_names_the_field(

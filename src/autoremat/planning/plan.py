@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from autoremat.costs.profile import Profile, profile
-from autoremat.planning.fingerprint import fingerprint, structure
+from autoremat.planning.fingerprint import fingerprint, parameter_bytes, structure
 from autoremat.planning.plans import Plan
 from autoremat.planning.rehearsal import Rehearsal
 from autoremat.planning.search import Judge
@@ -101,6 +101,7 @@ def _made(model: nn.Module, strategy: str, tree: Node | None, fields: dict[str, 
         model_class=type(model).__name__,
         fingerprint=fingerprint(model),
         structure=structure(model),
+        parameter_bytes=parameter_bytes(model),
         tree=tree,
         **fields,
     )

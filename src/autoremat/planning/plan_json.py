@@ -26,6 +26,7 @@ What is checked, so that a file from elsewhere can do no more than fail to load:
 * ``left_out`` (the modules the strategy left out, with their reasons): modules of that
   structure, each reason a string of at most :data:`MAX_REASON_CHARS` characters; a file
   without it (saved before it existed) loads with none;
+* ``parameter_bytes``: a count, ``null`` or absent (files saved before it was kept);
 * every op name's form and namespace, without looking it up in ``torch.ops`` (which would
   create a namespace for any name): :func:`autoremat.core.selective.check_names` with ``strict``.
 
@@ -242,6 +243,7 @@ def fields_from_dict(data: Any, where: str = "the data") -> dict[str, Any]:
         "calls": _calls(fields, paths, modules),
         "fingerprint": data["fingerprint"],
         "structure": lines,
+        "parameter_bytes": fields.count("parameter_bytes") if "parameter_bytes" in data else None,
     }
 
 

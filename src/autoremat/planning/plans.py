@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,7 +23,7 @@ from autoremat.core.entries import covered, module_of, parse_call, parse_run, ru
 from autoremat.core.selective import FULL, WAYS, ops_on
 from autoremat.core.sizes import format_size
 from autoremat.planning.choice import Choice
-from autoremat.planning.fingerprint import fingerprint, structure
+from autoremat.planning.fingerprint import fingerprint, parameter_bytes, structure
 from autoremat.planning.plan_json import (
     FORMAT,
     fields_from_dict,
@@ -33,6 +34,8 @@ from autoremat.record.tree import Node
 from autoremat.wrap.wrapping import apply as wrap_apply
 
 __all__ = ["Plan"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,9 @@ class Plan:
     ``"cuda"``, ``"meta"``), for which its summary lists the ops kept; not saved.
     ``estimated_by``: how ``estimated_peak`` was found (the plan's step run ``"on fake
     tensors"``, ``"on meta"``, or as a real step, with why: :mod:`autoremat.planning.rehearsal`);
-    not saved.
+    not saved. ``parameter_bytes``: the bytes of the parameters of the model it was made for
+    (``None`` in files saved before it was kept): :meth:`apply` warns on a model of the same
+    structure with other bytes (built wider, or cast), whose memory the plan's figures are not.
     ``print(plan)``
     shows the choice, what was left out and the tree with the chosen modules marked ``*``.
     """
@@ -85,6 +90,7 @@ class Plan:
     estimated_by: str | None = field(default=None, compare=False, repr=False)
     fingerprint: str | None = None
     structure: tuple[str, ...] = field(default=(), repr=False)
+    parameter_bytes: int | None = field(default=None, repr=False)
     tree: Node | None = field(default=None, repr=False, compare=False)
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -96,6 +102,14 @@ class Plan:
                 :func:`autoremat.wrap.apply`. The model is unchanged when it raises.
         """
         self.check(model)
+        found = parameter_bytes(model)
+        if self.parameter_bytes is not None and found != self.parameter_bytes:
+            logger.warning(
+                "this plan was made for a %s whose parameters hold %s; this one's hold %s (built "
+                "wider or narrower, or cast): its entries apply, but its budget and predicted "
+                "figures were that model's. Make a plan from this model to know its memory",
+                self.model_class, format_size(self.parameter_bytes), format_size(found),
+            )  # fmt: skip
         return wrap_apply(model, self.modules, selective=self.selective, calls=self.calls)
 
     def check(self, model: nn.Module) -> None:
@@ -158,6 +172,7 @@ class Plan:
             "left_out": dict(self.left_out),
             "calls": dict(self.calls),
             "structure": list(self.structure),
+            "parameter_bytes": self.parameter_bytes,
         }
 
     @classmethod

@@ -101,9 +101,11 @@ def _choose(tree: Node, request: Request) -> dict[str, Any]:
         warnings["whole_model"] = (
             f"segments={request.segments} recomputes the whole {request.model_name} as one "
             f"piece: backward runs its whole forward again and keeps all of it, so the step "
-            f"peaks no lower than without a plan, and takes longer; use segments=1 or more "
-            f"(or budget=...)"
-        )
+            f"peaks no lower than without a plan, and takes longer; "
+            + ("use segments=1 or more (or budget=...)" if request.segments == 0 else
+               "its children are all leaves, so no count splits it further: use budget=... "
+               "(which can recompute runs of its children)")
+        )  # fmt: skip
     return {
         "modules": tuple(n.path for n in chosen),
         "segments": request.segments,
