@@ -39,7 +39,7 @@ typecheck: $(STAMP)
 test: lint typecheck
 	$(BIN)/python -m pytest
 
-# The quick loop while working: lint, types and the tests not marked slow (about 2 minutes).
+# The quick loop while working: lint, types and the tests not marked slow (2-3 minutes).
 test-fast: lint typecheck
 	$(BIN)/python -m pytest -m "not slow"
 
