@@ -19,7 +19,15 @@ from torch import nn
 from autoremat.core.layerdrop import every_layer
 from autoremat.core.measuring import measuring
 
-__all__ = ["iter_tensors", "op_tensors", "run_model", "storage_key", "tensor_bytes", "version_of"]
+__all__ = [
+    "iter_tensors",
+    "op_tensors",
+    "parameter_bytes",
+    "run_model",
+    "storage_key",
+    "tensor_bytes",
+    "version_of",
+]
 
 _ATOMS = (str, bytes, int, float, bool, complex, type(None), nn.Module, type)
 
@@ -103,6 +111,12 @@ def tensor_bytes(obj: Any) -> int:
         if key is not None:
             found[key] = t.untyped_storage().nbytes()
     return sum(found.values())
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """The bytes of ``module``'s parameters, each parameter counted once, by shape and dtype
+    (a sharded parameter's whole size)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def version_of(t: torch.Tensor) -> int | None:

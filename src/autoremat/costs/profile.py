@@ -46,7 +46,7 @@ from torch import nn
 
 from autoremat.core.classes import is_wrapped
 from autoremat.core.huggingface import ordinary_positions_on_meta
-from autoremat.core.nested import iter_tensors
+from autoremat.core.nested import iter_tensors, parameter_bytes
 from autoremat.core.own_checkpointing import switched_off, turned_off_message
 from autoremat.core.selective import WAYS
 from autoremat.core.sizes import format_size
@@ -412,7 +412,7 @@ class _Assembly:
             seconds=self.times.forward_time(path, flops),
             input_bytes=node.input_bytes,
             output_bytes=node.output_bytes,
-            param_bytes=sum(p.numel() * p.element_size() for p in node.module.parameters()),
+            param_bytes=parameter_bytes(node.module),
             calls=node.calls,
             freed=self.freed[node],
             start=self.line.spans[node][0],

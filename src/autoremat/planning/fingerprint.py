@@ -10,7 +10,7 @@ from torch import nn
 
 from autoremat.core.classes import own_class
 
-__all__ = ["fingerprint", "parameter_bytes", "structure", "structure_fingerprint"]
+__all__ = ["fingerprint", "structure", "structure_fingerprint"]
 
 
 def structure(model: nn.Module) -> tuple[str, ...]:
@@ -23,12 +23,6 @@ def structure(model: nn.Module) -> tuple[str, ...]:
 def fingerprint(model: nn.Module) -> str:
     """A short hash of :func:`structure`: equal for models built the same way."""
     return structure_fingerprint(structure(model))
-
-
-def parameter_bytes(model: nn.Module) -> int:
-    """The bytes of ``model``'s parameters, each counted once (their shapes and dtypes: a
-    model built wider, or cast, has other bytes under the same structure)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def structure_fingerprint(lines: Sequence[str]) -> str:

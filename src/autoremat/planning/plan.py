@@ -12,8 +12,9 @@ from typing import Any
 
 from torch import nn
 
+from autoremat.core.nested import parameter_bytes
 from autoremat.costs.profile import Profile, profile
-from autoremat.planning.fingerprint import fingerprint, parameter_bytes, structure
+from autoremat.planning.fingerprint import fingerprint, structure
 from autoremat.planning.plans import Plan
 from autoremat.planning.rehearsal import Rehearsal
 from autoremat.planning.search import Judge

@@ -20,10 +20,11 @@ from typing import Any
 from torch import nn
 
 from autoremat.core.entries import covered, module_of, parse_call, parse_run, run_entry
+from autoremat.core.nested import parameter_bytes
 from autoremat.core.selective import FULL, WAYS, ops_on
 from autoremat.core.sizes import format_size
 from autoremat.planning.choice import Choice
-from autoremat.planning.fingerprint import fingerprint, parameter_bytes, structure
+from autoremat.planning.fingerprint import fingerprint, structure
 from autoremat.planning.plan_json import (
     FORMAT,
     fields_from_dict,
@@ -102,13 +103,13 @@ class Plan:
                 :func:`autoremat.wrap.apply`. The model is unchanged when it raises.
         """
         self.check(model)
-        found = parameter_bytes(model)
-        if self.parameter_bytes is not None and found != self.parameter_bytes:
+        made_for = self.parameter_bytes
+        if made_for is not None and parameter_bytes(model) != made_for:
             logger.warning(
                 "this plan was made for a %s whose parameters hold %s; this one's hold %s (built "
                 "wider or narrower, or cast): its entries apply, but its budget and predicted "
                 "figures were that model's. Make a plan from this model to know its memory",
-                self.model_class, format_size(self.parameter_bytes), format_size(found),
+                self.model_class, format_size(made_for), format_size(parameter_bytes(model)),
             )  # fmt: skip
         return wrap_apply(model, self.modules, selective=self.selective, calls=self.calls)
 
