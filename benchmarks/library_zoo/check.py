@@ -104,8 +104,10 @@ class ZooRow:
     def failures(self) -> list[str]:
         """What breaks the zoo's promise: a crash; a plan that did not train exactly, was not
         recomputed, measured over its budget (fp32 and bf16: every plan held in both since
-        autocast's cast cache is priced) or estimated outside :data:`ESTIMATE_BOUNDS`; the
-        user's model left changed."""
+        autocast's cast cache is priced) or estimated outside :data:`ESTIMATE_BOUNDS`; a lowest
+        plan with no entry (every zoo model has something worth recomputing: with checkpoint
+        made a plain call, no run saves memory, every plan is empty, and each check above
+        passes); the user's model left changed."""
         where = f"{self.model} {self.precision} own={self.own}"
         found = [f"{where}: {self.error}"] if self.error else []
         found += [f"{where}: {c}" for c in self.left_as_found]
@@ -115,6 +117,7 @@ class ZooRow:
             bad = [c.error] if c.error else []
             bad += [] if c.exact or c.error else ["not exact"]
             bad += [] if c.recomputed or c.error else ["not recomputed"]
+            bad += ["recomputes nothing"] if name == "lowest" and not (c.entries or c.error) else []
             over = not c.held and not c.error
             bad += ["over budget"] if over else []
             bad += _estimate_outside(c, name)
