@@ -278,9 +278,18 @@ budget_st = st.integers(0, MAX_BYTES + 10)
 @given(case=cases(), budget=budget_st)
 def test_solver_is_valid_feasible_and_optimal(case: Case, budget: int) -> None:
     """(a) The answer is a valid set within the budget and costs the brute-force optimum;
-    (b) Infeasible only when no valid set fits."""
+    (b) Infeasible only when no valid set fits, priced or not (``priced=False``: any valid
+    set within the budget, the walk's fast answer to whether one fits)."""
     table = brute_force(case)
     best = optimum(table, budget)
+    try:
+        unpriced = solve(case.root, case.points, budget, case.forward, priced=False)
+    except Infeasible:
+        assert best is None, f"solve(priced=False) raised Infeasible, yet a set of {best} fits"
+    else:
+        assert_valid(case, unpriced)
+        assert priced(case.points, unpriced, case.forward) <= budget
+        assert best is not None
     try:
         chosen = solve(case.root, case.points, budget, case.forward)
     except Infeasible:

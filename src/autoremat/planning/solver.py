@@ -206,16 +206,19 @@ def solve(
     budget: int,
     forward: Sequence[tuple[int, int]] = (),
     memo: dict[int, tuple[int, int]] | None = None,
+    priced: bool = True,
 ) -> list[Item]:
     """The cheapest set of nodes under ``root`` whose peak, as the walk prices it (module
     docstring; ``points`` after the forward, ``forward`` in it), is at most ``budget``.
     ``memo``: a dict kept between solves of one ``root``, ``points`` and ``forward`` at other
-    budgets (what does not depend on the budget is found once).
+    budgets (what does not depend on the budget is found once). Not ``priced``: any set that
+    fits (every cost taken as 0, the walk keeps only the states that freed most: whether one
+    fits, fast).
 
     Raises:
         Infeasible: no set fits; :func:`min_peak` gives the lowest reachable peak.
     """
-    solver = _Solver(root, points, budget, forward, {} if memo is None else memo)
+    solver = _Solver(root, points, budget, forward, {} if memo is None else memo, priced)
     states = solver.check([(0, 0.0, next(solver.counter), None, 0)], -1, root.start)
     states = solver.check(solver.run(root, states), root.end, solver.top)
     if not states:
@@ -244,8 +247,9 @@ class _Solver:
         budget: int,
         forward: Sequence[tuple[int, int]],
         memo: dict[int, tuple[int, int]],
+        priced: bool = True,
     ) -> None:
-        self.budget, self.memo = budget, memo
+        self.budget, self.memo, self.priced = budget, memo, priced  # (not priced: costs 0)
         self.top = max((p for p, _ in (*points, *forward)), default=0)
         # the most bytes live at each point: in the forward, after it, and either (NONE: no
         # moment there)
@@ -313,7 +317,8 @@ class _Solver:
         if not self.phased:  # those that reach the cap become equal: keep the cheapest (last)
             capped = bisect.bisect_right(fits, (item.freed - cap, math.inf))
             fits = fits[max(0, capped - 1) :]
-        freed, forward, cost, link = item.freed, item.freed_in_forward, item.cost, item
+        freed, forward, link = item.freed, item.freed_in_forward, item
+        cost = item.cost if self.priced else 0.0
         return [  # (min(x, cap) written out: this line runs for every state of every item)
             (-(a if (a := freed - s[0]) < cap else cap), s[1] + cost, k, (link, s[3]),
              -(b if (b := forward - s[4]) < cap else cap))
@@ -372,7 +377,8 @@ def min_peak(
     root: Item, points: Sequence[tuple[int, int]], forward: Sequence[tuple[int, int]] = ()
 ) -> int:
     """The lowest budget :func:`solve` meets, to the byte: no plan of the walk fits a byte
-    less, which the search's lowest peak relies on. A bisection; once the gap is within a
+    less, which the search's lowest peak relies on. A bisection of solves that are not
+    ``priced`` (only whether some plan fits matters here); once the gap is within a
     sixteenth, a byte below each plan it finds is tried (the lowest is a plan's price: most
     often none fits there and the search is over, where halving the gap would take some 20
     more solves; tried earlier, it mostly finds another plan, at a high budget's cost)."""
@@ -383,7 +389,7 @@ def min_peak(
     while hi - lo > 1:
         mid = hi - 1 if below else (lo + hi) // 2
         try:
-            found = solve(root, points, mid, forward, memo)
+            found = solve(root, points, mid, forward, memo, priced=False)
         except Infeasible:
             lo, below = mid, False
             continue

@@ -207,7 +207,7 @@ class Planner:
     def _near_lowest(self, chosen: Chosen, limit: int) -> str | None:
         """The warning for a budget within :data:`NEAR_LOWEST` of the lowest peak the walk
         reaches (``None`` otherwise)."""
-        if not chosen or self.walk.plan(int(limit * (1 - NEAR_LOWEST))) is not None:
+        if not chosen or self.walk.fits(int(limit * (1 - NEAR_LOWEST))):
             return None
         return (
             f"budget {format_size(limit)} is within {NEAR_LOWEST:.0%} of the lowest peak "
