@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import re
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -129,6 +130,32 @@ def test_a_plan_whose_floor_is_above_the_least_run_is_not_run() -> None:
     runs.clear()
     assert lowest(WALK, peak, [(A,), (A, C)]) == ((A, C), 25)
     assert sorted(runs) == sorted([("b", "c"), ("a", "c"), ("a",), ()])
+
+
+def test_a_floor_counts_at_each_point_only_what_the_items_begun_by_then_free() -> None:
+    """Points (1, 100) and (3, 60): c (begun after 2 nodes) frees nothing by the first, so
+    c's floor is 100, not 100 - 60; a and c both free by the second (60 - 80 < 100 - 20).
+    Bounded, a plan whose floor equals the least peak run runs only if it is cheaper."""
+    walk = Walk(ROOT, ((1, 100), (3, 60)))
+    assert floor(walk, (C,)) == 100 and floor(walk, (A, C)) == 80 and floor(walk, ()) == 100
+    # an item the walk says frees less than nothing (the inputs it holds) may hold what lives
+    # anyway (tv_swin's stochastic depth, called twice, runs at the peak without recompute)
+    holds = Item("h", start=0, end=0, freed=-30, flops=1)
+    assert floor(walk, (holds,)) == 100 and floor(walk, (holds, C)) == 100
+    # it frees at most what it saved: its net figure and the inputs it holds (which may live
+    # anyway: deberta, gemma2, a diffusers UNet ran below the net figure's floor)
+    gross = Item("g", start=0, end=0, freed=10, held=20, flops=1)
+    assert floor(walk, (gross,)) == 100 - 30
+    runs: list[tuple[str, ...]] = []
+
+    def peak(chosen: tuple[Item, ...]) -> int:
+        runs.append(tuple(i.path for i in chosen))
+        return {("a", "b"): 80}.get(runs[-1], 100)
+
+    with mock.patch.object(Walk, "plan", lambda self, limit: (A, B)):
+        assert lowest(walk, peak, [(C,), (A, C), (A,)], bounded=True) == ((A, B), 80)
+    # (a, c): floor 80 = the least, dearer than a and b: not run; a: floor 80, cheaper: run
+    assert runs == [("a", "b"), ("a",)]
 
 
 def test_hand_plans_are_every_block_its_children_and_every_call_of_a_shared_module() -> None:
