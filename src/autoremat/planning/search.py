@@ -165,12 +165,8 @@ def lowest(
 
 def floor(walk: Walk, chosen: Chosen) -> int:
     """A lower bound of the peak of the step with ``chosen`` recomputed: at each point of the
-    step without recompute, its bytes less the most the items begun by then can free there,
-    the most of these. An item frees at most what its subtree saved (:attr:`Item.freed` plus
-    :attr:`Item.held`: the walk nets out of ``freed`` the inputs a checkpoint holds, which
-    may live anyway; counting them, a run never measured below its floor on the zoo's 39
-    models, where the net figure did on 8 of them); one not begun has changed nothing; what a
-    recompute keeps or brings back only adds."""
+    step without recompute, its bytes less all that the items begun by then saved (the most
+    one can free: :attr:`Item.freed` + :attr:`Item.held`), the most of these."""
     return max(
         (
             b - sum(max(0, i.freed + i.held) for i in chosen if i.start <= p)

@@ -378,10 +378,7 @@ class CpuAllocatorMemory:
     def __enter__(self) -> CpuAllocatorMemory:
         from torch.profiler import ProfilerActivity, profile
 
-        # Garbage first: the allocator reports the free of a block an earlier session saw
-        # made, and a reference cycle of such blocks collected inside would count negative
-        # (in the suite, a later test's lowest plan measured 3.2 MB for 5.5).
-        gc.collect()
+        gc.collect()  # (a cycle of blocks an earlier session saw made, freed inside: negative)
         self.current = self.peak = 0
         self.marks, self.highs = {}, {}
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
