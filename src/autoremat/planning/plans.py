@@ -104,12 +104,12 @@ class Plan:
         """
         self.check(model)
         made_for = self.parameter_bytes
-        if made_for is not None and parameter_bytes(model) != made_for:
+        if made_for is not None and (found := parameter_bytes(model)) != made_for:
             logger.warning(
                 "this plan was made for a %s whose parameters hold %s; this one's hold %s (built "
                 "wider or narrower, or cast): its entries apply, but its budget and predicted "
                 "figures were that model's. Make a plan from this model to know its memory",
-                self.model_class, format_size(made_for), format_size(parameter_bytes(model)),
+                self.model_class, format_size(made_for), format_size(found),
             )  # fmt: skip
         return wrap_apply(model, self.modules, selective=self.selective, calls=self.calls)
 

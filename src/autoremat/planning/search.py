@@ -149,16 +149,18 @@ def lowest(
     found = walk.plan(walk.lowest)
     if found is not None:
         candidates.insert(0, found)
+    floored = [(floor(walk, c) if bounded else 0, c) for c in candidates]  # (each found once)
     if bounded:
-        candidates = candidates[:1] + sorted(candidates[1:], key=lambda c: floor(walk, c))
-    scored: dict[tuple[int, ...], tuple[int, float, Chosen]] = {}
+        floored = floored[:1] + sorted(floored[1:], key=lambda fc: fc[0])
+    seen: set[tuple[int, ...]] = set()
     best: tuple[int, float, Chosen] | None = None
-    for c in candidates:
+    for low, c in floored:
         key = tuple(map(id, c))
-        if key in scored or (bounded and best and (floor(walk, c), cost(c)) >= best[:2]):
+        if key in seen or (bounded and best and (low, cost(c)) >= best[:2]):
             continue  # (it cannot peak lower, nor as low for less)
-        scored[key] = (peak(c), cost(c), c)
-        best = scored[key] if best is None else min(best, scored[key], key=lambda s: s[:2])
+        seen.add(key)
+        run = (peak(c), cost(c), c)
+        best = run if best is None or run[:2] < best[:2] else best
     assert best is not None, "the empty plan is always a candidate"
     return best[2], best[0]
 
