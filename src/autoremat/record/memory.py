@@ -66,7 +66,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from typing_extensions import Self
 
 from autoremat.core.nested import op_tensors
-from autoremat.record.meta_kernels import run_kernel
+from autoremat.record.meta_kernels import fresh_only, run_kernel
 
 __all__ = [
     "CUDA_BLOCK",
@@ -210,18 +210,17 @@ class LiveMemory(TorchDispatchMode):
         if not outputs:
             return out
         known: set[int] = set()
-        if func not in _FRESH_OPS:
-            for t in op_tensors((args, kwargs)):
+        if func not in _FRESH_OPS and not (outputs[0].is_meta and fresh_only(func)):
+            for t in op_tensors((args, kwargs)):  # (on meta, a fresh-only op's are new)
                 known.update(id(st) for st in _storages(t))
-        name = str(func)
         with self._lock:
             for t in outputs:
                 for st in _storages(t):
-                    self._add(st, known, name)
+                    self._add(st, known, func)  # (named by str() only in the trace)
             self.peak = max(self.peak, self.current)
         return out
 
-    def _add(self, st: torch.UntypedStorage, inputs: set[int], name: str) -> None:
+    def _add(self, st: torch.UntypedStorage, inputs: set[int], name: Any) -> None:
         key, size = id(st), block_bytes(st.nbytes(), self.block)
         entry = self._live.get(key)
         if entry is not None:
@@ -245,10 +244,10 @@ class LiveMemory(TorchDispatchMode):
 
         return freed
 
-    def _change(self, name: str, delta: int) -> None:
+    def _change(self, name: Any, delta: int) -> None:
         self.current += delta
         if self.trace:
-            self.events.append((name, delta, self.current))
+            self.events.append((str(name), delta, self.current))
 
 
 class CudaMemory:

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_
 
 from autoremat.core.nested import op_tensors
 
-__all__ = ["RememberedKernels", "run_kernel"]
+__all__ = ["RememberedKernels", "fresh_only", "run_kernel"]
 
 # (op, arguments' key) -> the outputs' (shape, stride, dtype), or None: run it every time
 _SEEN: dict[tuple[Any, ...], tuple[tuple[Any, ...], ...] | None] = {}
@@ -63,7 +63,7 @@ class RememberedKernels(TorchDispatchMode):
 
 def _key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
     """What the op's result depends on, hashable; ``None`` when it cannot be remembered."""
-    if not _fresh_only(func):
+    if not fresh_only(func):
         return None
     parts: list[Any] = [func]
     for value in (*args, *kwargs.items()):
@@ -74,11 +74,14 @@ def _key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any,
 
 def _add(value: Any, parts: list[Any]) -> bool:
     """Append ``value``'s key to ``parts``; False when it has none."""
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "meta" or type(value) is not torch.Tensor:
+    kind = type(value)
+    if kind is torch.Tensor:
+        if not value.is_meta:
             return False
-        parts.append((tuple(value.shape), value.stride(), value.dtype, value.storage_offset()))
+        parts.append((value.shape, value.stride(), value.dtype, value.storage_offset()))
         return True
+    if isinstance(value, torch.Tensor):  # (a subclass: not remembered)
+        return False
     if isinstance(value, (tuple, list)):
         parts.append(len(value))
         return all(_add(v, parts) for v in value)
@@ -88,7 +91,7 @@ def _add(value: Any, parts: list[Any]) -> bool:
     return False
 
 
-def _fresh_only(func: Any) -> bool:
+def fresh_only(func: Any) -> bool:
     """Whether ``func``'s schema returns only new plain tensors (no alias anywhere)."""
     found = _FRESH_ONLY.get(func)
     if found is None:
