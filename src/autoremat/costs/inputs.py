@@ -1,11 +1,7 @@
 """What a checkpoint's inputs cost: the checkpoint keeps every input until the node's
-backward, which costs only the inputs that would otherwise have died sooner.
-
-Not charged: an input saved inside the node (freed with it, or kept anyway), one that a node
-ended earlier saved (alive until that node's backward, after this one's: a BERT layer's output
-block takes the attention output the intermediate block's Linear saved), and one the model
-returns (the step holds it: T5's encoder output). Pure functions over a recording and its
-timeline, as :mod:`autoremat.costs.model`.
+backward, which costs only the inputs that would otherwise have died sooner
+(:func:`charged_inputs`; which would not: :func:`alive_until_after`). Pure functions over a
+recording and its timeline, as :mod:`autoremat.costs.model`.
 """
 
 from __future__ import annotations

@@ -2,22 +2,11 @@
 
 Every function here is pure: it reads a :class:`~autoremat.record.recording.Recording` and its
 :class:`~autoremat.costs.timeline.Timeline` and returns figures. ``docs/cost-model.md`` gives
-the reasoning and the measured error; in short, for a node checkpointed:
-
-* **freed**: storages saved for backward only inside its subtree, other than its inputs, less
-  its inputs nothing inside saved (the checkpoint keeps every input until the node's
-  backward, longer than they would otherwise live): :func:`freed_bytes`; of those, under
-  autocast, the weight casts autocast's cast cache keeps until the forward ends, freed only
-  after it: :func:`freed_bytes`; inputs alive until its backward anyway are not charged:
-  :mod:`autoremat.costs.inputs`;
-* **held during its forward**: those charged inputs from its start, less what its finished
-  parts saved (a checkpointed forward drops it, :func:`released`), more, for a selective
-  recompute, each kept output nothing else saves, from when it was made: :func:`held_from`;
-* **recompute peak**: the live bytes when backward first uses what it saved, less what it
-  freed, plus the most its forward had added since it began, up to its last save (where
-  checkpoint's early stop ends the recompute): :func:`recompute_peak`;
-* **runs** of consecutive children of a plain ``nn.Sequential``, priced as one node:
-  :func:`runs`.
+the reasoning and the measured error. For a node checkpointed: what it frees,
+:func:`freed_bytes` (its inputs charged: :mod:`autoremat.costs.inputs`); what it holds during
+its forward, those charged inputs from its start, changed as :func:`held_from` says; its
+recompute's peak, :func:`recompute_peak`; and :func:`runs` of a plain ``nn.Sequential``'s
+children, priced as one node.
 """
 
 from __future__ import annotations

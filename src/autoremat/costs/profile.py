@@ -14,16 +14,12 @@ attributed to the innermost module of the tree that was running when it arose:
 * **written**: bytes of the new storages its forward's ops wrote (what a recompute writes
   again; pointwise ops cost time for these bytes though they count no FLOPs).
 * **ways**: what recomputing the node selectively would free and cost, for each way of
-  :data:`autoremat.core.selective.WAYS`: the outputs of the ops that way keeps stay in the
-  checkpoint's cache, so they are not freed (and cost memory when nothing else kept them),
-  and those ops' FLOPs, bytes and time are not spent again.
-* **seconds**: forward wall time, measured in separate forwards with only timing hooks; on the
-  ``meta`` device, where nothing runs, estimated from FLOPs.
-* **op seconds**: the time of the forward's ops themselves (each op timed alone, the fastest
-  of two forwards; on CUDA with a synchronize around each op), which is what a recompute runs
-  again: pointwise ops count here though they count no FLOPs. With the per-op overheads of
-  :func:`~autoremat.record.timing.overheads` it prices recompute in time. On ``meta``,
-  estimated from FLOPs and bytes written.
+  :data:`autoremat.core.selective.WAYS` (a :class:`WayCost` each).
+* **seconds**: forward wall time; **op seconds**: the time of the forward's ops themselves,
+  which is what a recompute runs again (pointwise ops count here though they count no
+  FLOPs). Both are timed in separate forwards (:mod:`autoremat.record.timing`, which says how
+  they price recompute); on ``meta``, where nothing runs, estimated from FLOPs (op seconds:
+  and bytes written).
 
 A node's figures are its own plus its children's, so they reconcile down the tree by
 construction. Nodes are calls: a module that runs several times in one forward (a shared
@@ -108,31 +104,23 @@ class WayCost:
 class NodeCost:
     """Costs of one tree node, its subtree included (``own_*``: the node alone).
 
-    ``freed`` is what recomputing the node whole would free: the bytes of storages saved for
-    backward only inside its subtree, other than its inputs, less the bytes of the inputs
-    nothing inside it saved (the checkpoint keeps every input until the node's backward,
-    longer than they would otherwise live). It can be negative.
-    ``start`` and ``end`` place the node in the step (see :class:`Profile`).
-    ``recompute_peak`` is the most live bytes while a checkpoint of the node recomputes: from
-    when backward first used what it saved (the live bytes of the step without recompute then,
-    less ``freed``), what its forward had added since it began, up to its last save (where
-    checkpoint's early stop ends the recompute); 0 when its backward never ran.
+    ``freed`` is what recomputing the node whole would free, negative when it costs
+    (:func:`~autoremat.costs.model.freed_bytes`); ``cached``, the part of it that stays live
+    until the forward ends whether or not the node is checkpointed (the same function): the
+    recompute frees ``freed - cached`` at the points of the forward after it, ``freed`` after
+    the forward. ``start`` and ``end`` place the node in the step (see :class:`Profile`).
+    ``recompute_peak`` is the most live bytes while a checkpoint of the node recomputes, 0 when
+    its backward never ran (:func:`~autoremat.costs.model.recompute_peak`).
     ``runs`` is set for a plain ``nn.Sequential``: a :class:`~autoremat.costs.model.Run` for
     each run ``[i:j)`` of two or more consecutive children, which can be recomputed as one.
     ``written`` is the bytes of new storages its forward's ops wrote. ``held`` and
     ``held_from`` say how many bytes more than the step without recompute are live *during*
     the node's forward when it is checkpointed, at each point ``start < p <= end`` of its span:
-    ``held`` (its inputs nothing inside saves: the checkpoint holds them from the start) plus
-    the changes ``(q, bytes)`` of ``held_from`` with ``q <= p``. Those are negative for what its
-    finished parts saved, which a checkpointed forward does not keep, and for a selective
-    recompute positive for each kept output nothing saves, from the point it was made.
+    ``held`` (the inputs the checkpoint holds from the start,
+    :func:`~autoremat.costs.inputs.charged_inputs`) plus the changes ``(q, bytes)`` of
+    ``held_from`` with ``q <= p`` (:func:`~autoremat.costs.model.held_from`).
     ``ways`` has these figures for every selective way of :data:`autoremat.core.selective.WAYS`.
     ``ops`` is the number of op calls of the node's forward and ``op_seconds`` their time.
-    ``cached``: the part of ``freed`` that stays live until the forward ends whether or not
-    the node is checkpointed (under autocast, the weight casts autocast's cast cache keeps
-    until its region ends, :func:`autoremat.costs.model.freed_bytes`): recomputing the node
-    frees ``freed - cached`` at the points of the forward after it, ``freed`` after the
-    forward.
     """
 
     path: str
@@ -177,14 +165,10 @@ class Profile:
     (``calls_of(path)`` lists them), each placed, priced and chosen on its own.
     ``module_tree`` is the module tree (:func:`autoremat.record.tree.build_tree`).
 
-    The memory timeline of the step, for the budget planner
-    (:mod:`autoremat.costs.timeline`): nodes are numbered ``0..n-1`` by the time their forward
-    ended, their ``end``; a node's ``start`` is how many nodes had ended before it began.
-    Each point ``(p, bytes)`` says that ``bytes`` were live at some moment when the nodes
-    numbered below ``p`` had ended their forward and not yet begun their backward:
-    recomputing any of those would have lowered that moment by its ``freed`` bytes.
-    ``forward_points`` are the moments of the forward pass (up to the loss),
-    ``backward_points`` those after it, and :attr:`points` both (the most at each ``p``).
+    The memory timeline of the step, for the budget planner (a node's ``start`` and ``end``,
+    and the *points* ``(p, bytes)``: :mod:`autoremat.costs.timeline`): ``forward_points`` are
+    the moments of the forward pass (up to the loss), ``backward_points`` those after it, and
+    :attr:`points` both (the most at each ``p``).
     ``peak`` is the step's peak, as :func:`autoremat.measure` defines it. ``device`` is the
     type of the device the step ran on (``"cpu"``, ``"cuda"``), or ``"meta"``, where nothing
     runs and times are estimated from FLOPs and bytes. ``op_overhead`` and

@@ -37,15 +37,14 @@ __all__ = ["broadcast_plan"]
 def broadcast_plan(plan: Plan | None, src: int = 0, group: Any = None) -> Plan:
     r"""Send rank ``src``'s plan to every rank of ``group`` and return it there.
 
-    A collective: every rank of ``group`` must call it, with the same ``src``. Rank ``src``
-    passes its :class:`~autoremat.Plan`; the other ranks' ``plan`` argument is ignored (pass
-    ``None``). The plan travels as :meth:`Plan.to_dict` through
-    :func:`torch.distributed.broadcast_object_list` and comes back through
-    :meth:`Plan.from_dict`, so every rank gets a plan equal to rank ``src``'s (same modules,
-    fingerprint, budget and estimates; the ``tree`` is not sent, and rank ``src`` gets its own
-    object back). Then call ``plan.apply(model)`` on every rank, before wrapping the model in
-    ``DistributedDataParallel`` or calling ``fully_shard``: :meth:`Plan.apply` raises on a
-    rank whose model's module structure differs from the one the plan was made for.
+    A collective: every rank of ``group`` must call it, with the same ``src``. The plan travels
+    as :meth:`Plan.to_dict` through :func:`torch.distributed.broadcast_object_list` and comes
+    back through :meth:`Plan.from_dict`, so every rank gets a plan equal to rank ``src``'s
+    (same modules, fingerprint, budget and estimates; the ``tree`` is not sent, and rank
+    ``src`` gets its own object back). Then call ``plan.apply(model)`` on every rank, before
+    wrapping the model in ``DistributedDataParallel`` or calling ``fully_shard``:
+    :meth:`Plan.apply` raises on a rank whose model's module structure differs from the one
+    the plan was made for.
 
     Example::
 
@@ -61,7 +60,8 @@ def broadcast_plan(plan: Plan | None, src: int = 0, group: Any = None) -> Plan:
     See the module docstring for budgets under FSDP2, a failing ``src`` rank and trust.
 
     Args:
-        plan: the plan to send, on rank ``src``; ignored on the other ranks.
+        plan: the :class:`~autoremat.Plan` to send, on rank ``src``; ignored on the other
+            ranks (pass ``None``).
         src: the rank that sends its plan, a global rank (as in
             ``broadcast_object_list``). Default: 0.
         group: the process group to broadcast in; ``None`` is the default group.

@@ -4,10 +4,8 @@ The walk prices the eager step. A compiled step keeps what each recomputed regio
 says (its ``tag_activation_checkpoint`` regions), but the partitioner chooses what to save
 outside them and inductor orders the backward's kernels itself: measured on the benchmark zoo
 (``docs/benchmarks.md``, "Under torch.compile"), 0.74-0.98x the eager figure at 75% and 50%
-budgets, 12-28% above it at the lowest. So :func:`compiled_plan` (``plan(..., compile=...)``) runs
-the search of every plan (:mod:`autoremat.planning.search`) with each plan's step compiled and
-measured by the
-allocator (:class:`CompiledRehearsal`) instead of rehearsed eagerly.
+budgets, 12-28% above it at the lowest. So :func:`compiled_plan` (``plan(..., compile=...)``)
+runs each plan's step compiled instead of rehearsed eagerly.
 """
 
 from __future__ import annotations
@@ -19,10 +17,10 @@ import torch
 from torch import nn
 
 from autoremat.costs.profile import profile
-from autoremat.planning.plan import planned
+from autoremat.planning.plan import plan_from_profile
 from autoremat.planning.plans import Plan
 from autoremat.planning.rehearsal import PlanFields
-from autoremat.planning.strategies.budget import STRATEGY, Planner
+from autoremat.planning.strategies.budget import STRATEGY
 from autoremat.planning.strategy import Request
 from autoremat.record.compiled import running_eagerly
 from autoremat.record.measure import measure
@@ -121,13 +119,11 @@ def compiled_plan(
             the lowest compiled peak found.
         ValueError, TypeError: as :func:`autoremat.plan`.
     """
-    request = Request(type(model).__name__, None, budget, loss_fn, selective, objective)
-    request = STRATEGY.check(request)
+    STRATEGY.check(Request(type(model).__name__, None, budget, loss_fn, selective, objective))
     with running_eagerly(model):
         prof = profile(model, args, kwargs, loss_fn=loss_fn)
     how = {"backend": backend, "loss_fn": loss_fn, "inductor_config": inductor_config}
     rehearsal = CompiledRehearsal(model, args, kwargs or {}, how)
-    planner = Planner(prof, request, rehearsal)  # type: ignore[arg-type]
-    limit = request.budget.resolve(prof.peak)  # type: ignore[union-attr]
-    chosen = planned(model, planner, limit)
+    chosen = plan_from_profile(model, prof, budget, selective=selective, objective=objective,
+                               rehearsal=rehearsal)  # type: ignore[arg-type]  # fmt: skip
     return dataclasses.replace(chosen, compiled_peak=chosen.estimated_peak)

@@ -55,23 +55,18 @@ def activation_plan(
     """Choose the modules of ``model`` to recompute.
 
     With ``segments`` (default 3 when no budget is given), the levels strategy of the method
-    (claims 2-3): the tree is walked level by level until the scheme holds more than
-    ``segments`` modules (:func:`autoremat.planning.strategies.levels.choose_levels`).
+    (claims 2-3, :func:`autoremat.planning.strategies.levels.choose_levels`).
 
-    With ``budget``, the budget strategy: profile one training step (``loss_fn`` as in
-    :func:`autoremat.measure`), then choose the modules, anywhere in the tree and never one inside
-    another, whose recompute costs least while the predicted step peak stays within the budget
-    (:mod:`autoremat.planning.strategies.budget`). ``budget`` is bytes (int), a fraction of the
-    no-recompute peak (float, ``0 < f <= 1``), a percentage (``"50%"``) or a size string
-    (``"800MB"``, ``"6GiB"``). A budget at or above the no-recompute peak gives an empty plan. Each
-    chosen module is recomputed whole, or, with ``selective`` (the default), possibly selectively:
-    the outputs of its matrix products, convolutions and attention kernels are kept and only the
-    other ops are recomputed (:mod:`autoremat.core.selective`); the planner picks whichever fits the
-    budget at the least cost. ``objective`` says what cost is: ``"time"`` (the default), the
-    recompute's time as profiled (its ops timed one by one, pointwise ops included, plus
-    checkpoint's and selective checkpointing's measured per-op overheads), or ``"flops"``, its FLOPs
-    as ``FlopCounterMode`` counts them (pointwise ops free; bytes written break ties; the plan is
-    the same on every machine).
+    With ``budget``, the budget strategy (:mod:`autoremat.planning.strategies.budget` says
+    how): from a profile of one training step (``loss_fn`` as in :func:`autoremat.measure`),
+    the modules, anywhere in the tree and never one inside another, whose recompute costs
+    least while the step's peak stays within the budget. ``budget`` is bytes (int), a fraction
+    of the no-recompute peak (float, ``0 < f <= 1``), a percentage (``"50%"``) or a size string
+    (``"800MB"``, ``"6GiB"``); at or above the no-recompute peak, the plan is empty. With
+    ``selective`` (the default) a chosen module may be recomputed selectively
+    (:mod:`autoremat.core.selective`). ``objective``, the cost: ``"time"`` (the default) or
+    ``"flops"`` (the same plan on every machine), priced as
+    :func:`~autoremat.planning.planning_tree.planning_tree` says.
 
     ``autocast`` (a dtype, or ``(device_type, dtype)``; or called inside an autocast region):
     the budget strategy profiles forward and loss under it (:func:`autoremat.profile`). Both
@@ -224,4 +219,4 @@ def lowest_budget(
     request = Request(type(model).__name__, None, 1, loss_fn, selective, objective, autocast)
     request = budget_strategy.STRATEGY.check(request)
     prof, _ = _evidence(budget_strategy.STRATEGY, model, args, kwargs, request)
-    return budget_strategy.Planner(prof, request).lowest()[1]
+    return profile_lowest(prof, selective=selective, objective=objective)

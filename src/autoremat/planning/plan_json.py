@@ -101,8 +101,8 @@ def fields_from_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     :data:`MAX_PLAN_BYTES` bytes are read.
 
     Raises:
-        ValueError: the file is larger, not UTF-8, not JSON or nested too deep, or not a plan
-            (the message names the field).
+        ValueError: the file is not UTF-8, or fails a check of the module docstring (the
+            message names the field).
         OSError: the file cannot be read.
     """
     where = repr(os.fspath(path))
@@ -130,10 +130,8 @@ def fields_from_json(text: str, where: str = "the text") -> dict[str, Any]:
     """The plan in ``text`` (what :meth:`autoremat.Plan.save` wrote).
 
     Raises:
-        ValueError: ``text`` is longer than :data:`MAX_PLAN_BYTES` characters, nested deeper
-            than :data:`MAX_JSON_DEPTH` levels, holds more arrays and objects than a plan (see
-            :data:`MIN_CONTAINER_CHARS`), is not strict JSON, or not a plan (see
-            :func:`fields_from_dict`).
+        ValueError: ``text`` fails a check of the module docstring (the text's own first, then
+            :func:`fields_from_dict`'s).
     """
 
     def refuse(why: str) -> ValueError:
@@ -156,13 +154,11 @@ def _no_constant(name: str) -> Any:
 
 
 def _shape_refusal(text: str) -> str | None:
-    """Why ``text`` is no plan, seen before parsing it, or ``None``: it nests arrays and
-    objects deeper than :data:`MAX_JSON_DEPTH` levels (or its brackets do not match), or holds
-    more of them than a plan has (one per :data:`MIN_CONTAINER_CHARS` characters at most:
-    each choice and selective entry is also named in ``modules`` and ``structure``), which
-    bounds what ``json.loads`` allocates. All but brackets is dropped, then the innermost
-    pairs, :data:`MAX_JSON_DEPTH` times: linear, never recursive. Text that is not JSON may pass
-    (``json.loads`` refuses it next), but no JSON nested too deep does."""
+    """Why ``text`` is no plan, seen before parsing it, or ``None``: its nesting, or its count
+    of arrays and objects (the module docstring's first check), or brackets that do not match.
+    All but brackets is dropped, then the innermost pairs, :data:`MAX_JSON_DEPTH` times: linear,
+    never recursive. Text that is not JSON may pass (``json.loads`` refuses it next), but no
+    JSON nested too deep does."""
     brackets = _outside_brackets(text)
     containers = brackets.count(b"[")
     for _ in range(MAX_JSON_DEPTH):
@@ -273,7 +269,7 @@ class _Fields:
 
     def count(self, key: str) -> int | None:
         value = self.get(key, int, optional=True)
-        if value is not None and not 0 <= value <= MAX_COUNT:
+        if value is not None and not _is_count(value):
             raise self.bad(f"field {key!r} is {_shown(value)}, expected a count in [0, 2**63)")
         return value
 
@@ -397,8 +393,7 @@ def _selective(fields: _Fields, modules: tuple[str, ...]) -> dict[str, tuple[str
 
 
 def _calls(fields: _Fields, paths: set[str], modules: tuple[str, ...]) -> dict[str, int]:
-    """The calls each module named by call entries made when the plan was made: modules of
-    ``paths``, counts above every call index the entries name; empty when the field is
+    """The plan's ``calls``, checked as the module docstring says; empty when the field is
     missing (plans saved before it existed)."""
     raw = fields.get("calls", dict) if "calls" in fields.data else {}
     for path, count in raw.items():
@@ -423,9 +418,7 @@ def _calls(fields: _Fields, paths: set[str], modules: tuple[str, ...]) -> dict[s
 
 
 def _left_out(fields: _Fields, paths: set[str]) -> dict[str, str]:
-    """The modules the strategy left out, each a module of ``paths`` mapped to a reason of
-    at most :data:`MAX_REASON_CHARS` characters; empty when the field is missing (plans saved
-    before it existed)."""
+    """The plan's ``left_out``, checked as the module docstring says (empty when missing)."""
     raw = fields.get("left_out", dict) if "left_out" in fields.data else {}
     for path, why in raw.items():
         if path not in paths:

@@ -1,12 +1,9 @@
 """The adapter from a profile to the solver: one planning :class:`~autoremat.planning.solver.Item`
 per node of the tree, priced, with the modules that cannot be candidates marked.
 
-This is where the budget strategy's view of a model is decided: which nodes are candidates
-(each call of a module is a node; a TorchScript module, one whose forward was replaced on the
-instance, and one that cannot be recomputed exactly, ``Node.recompute_reason``, are not),
-which ways each can be recomputed (whole, a run of a Sequential's children, each selective
-way that differs), and what each costs: seconds (``objective="time"``) or FLOPs
-(``"flops"``).
+This is where the budget strategy's view of a model is decided (:func:`planning_tree`): which
+nodes are candidates, which ways each can be recomputed (whole, a run of a Sequential's
+children, each selective way that differs), and what each costs.
 """
 
 from __future__ import annotations

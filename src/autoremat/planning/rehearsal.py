@@ -17,9 +17,8 @@ tensor the step makes count as they will on the device, because they run.
   values to decide whether to make an attention mask, is given the answers it reached on the
   profiled step (:func:`~autoremat.core.huggingface.mask_answers`);
 * ``"real"``: the model itself on its device, the plan applied and removed, the model left as
-  found: where the real kernels cost less than fake tensors' bookkeeping (small CPU ops, any
-  CUDA step, which the profile ran at this size already), and for a step fake tensors cannot
-  run (it reads values: ``.item()``, ``nonzero`` routing; :attr:`Rehearsal.how` says so);
+  found: where that is quicker (:func:`way_for`), and for a step fake tensors cannot run (it
+  reads values: ``.item()``, ``nonzero`` routing; :attr:`Rehearsal.how` says so);
 * ``"allocator"``: the real step counted by the CPU allocator (kernels' scratch included).
 
 The model's own step (``peak(None)``: no plan applied) runs as the model would train: a
@@ -89,8 +88,7 @@ class PlanFields:
         )
 
 
-# How a rehearsal runs the step: on the meta shadow, on a fake shadow, the real model counted
-# by the tracker, or the real model counted by the CPU allocator.
+# How a rehearsal runs the step (module docstring).
 WAYS = ("meta", "fake", "real", "allocator")
 # A step on the CPU is run for real when its forward's ops took less than this each, as the
 # profile timed them: a step on fake tensors costs about 1.8 ms per forward op (forward,

@@ -5,16 +5,8 @@ exact: it knows what each node frees and holds, not everything the step does. So
 it reaches the user. Each plan it proposes is judged by a *judge*, a function that runs the
 plan's step (:mod:`autoremat.planning.rehearsal`, or a whole rank's step) and says how many
 bytes it is over what must fit (0 or less: it fits). The walk's own limit is then moved by what
-the run said, and the walk asked again:
-
-* :func:`cheapest`: from the limit asked, the limit rises by a plan's slack (the walk priced it
-  above its run: a cheaper plan may fit) and falls to the walk's price of a plan less its
-  excess, bisecting once a limit that fits and one that does not are known, for at most
-  :data:`TRIES` runs; the cheapest plan that fitted wins.
-* :func:`lowest`: the lowest peak among the plans the planner can make: the walk's own lowest
-  plan and the plans people write by hand (every block, of one class or of one container;
-  every block's children), each run but those whose :func:`floor` (a lower bound of their
-  peak) shows they cannot win.
+the run said, and the walk asked again: :func:`cheapest` finds the cheapest plan that fits,
+:func:`lowest` the lowest peak among the walk's lowest plan and :func:`hand_plans`.
 
 Pure but for the judge: items in, items out (what a judge runs is the caller's).
 """
@@ -62,11 +54,6 @@ class Walk:
     def _memo(self) -> dict[int, tuple[int, int]]:
         return {}  # (what the solver finds once for every budget)
 
-    @functools.cached_property
-    def top(self) -> int:
-        """The highest point of the step without recompute."""
-        return max((b for _, b in (*self.after, *self.forward)), default=0)
-
     def plan(self, limit: int) -> Chosen | None:
         """The walk's cheapest plan whose peak it prices at most ``limit``; ``None``: none."""
         try:
@@ -98,8 +85,13 @@ def cost(chosen: Chosen) -> float:
 
 
 def cheapest(walk: Walk, limit: int, judge: Judge) -> Chosen | None:
-    """The cheapest plan found that ``judge`` says fits (module docstring), starting from the
-    walk's plan at ``limit``; ``None`` when none did within :data:`TRIES` runs."""
+    """The cheapest plan found that ``judge`` says fits, starting from the walk's plan at
+    ``limit``; ``None`` when none did within :data:`TRIES` runs.
+
+    From the limit asked, the limit rises by a plan's slack (the walk priced it above its run:
+    a cheaper plan may fit) and falls to the walk's price of a plan less its excess, bisecting
+    once a limit that fits and one that does not are known; the cheapest plan that fitted
+    wins."""
     best: Chosen | None = None
     fits: int | None = None  # the highest walk limit whose plan fitted
     over: int | None = None  # the lowest whose plan did not

@@ -5,17 +5,14 @@ Pure: it reads :class:`Item` trees and points, and knows nothing of models, prof
 fast model of the step, not its figure: every plan it proposes is run before anyone sees a
 number (:mod:`autoremat.planning.search`). ``docs/cost-model.md`` gives the model:
 
-* Every tree node ``i`` is numbered by when its forward ended (``end``); ``start`` is how many
-  nodes had ended before it began. Recomputing ``i`` frees ``freed[i]`` bytes after its end
-  (``freed - cached`` at the points of the forward: :attr:`Item.cached`, the weight casts
-  autocast's cache keeps until the forward ends) and costs :attr:`Item.cost`.
-* The profiled step without recompute gives *points* ``(p, bytes)``: at some moment ``bytes``
-  were live while nodes ``0..p-1`` had finished their forward and not begun their backward.
-  Recomputing a set ``S``, never one inside another, lowers that moment by what the nodes of
+* Every tree node ``i`` has a ``start`` and an ``end``, and the profiled step without
+  recompute gives *points* ``(p, bytes)`` (:mod:`autoremat.costs.timeline` defines them).
+  Recomputing ``i`` frees ``freed[i]`` bytes after its end (:attr:`Item.freed_in_forward` at
+  the points of the forward) and costs :attr:`Item.cost`.
+* Recomputing a set ``S``, never one inside another, lowers a point by what the nodes of
   ``S`` ended before it free; a node's backward brings its activations back. Inside a chosen
-  node's span a point holds :meth:`Item.held_at` more in its forward,
-  :attr:`Item.held` more after it; its recompute adds the point
-  ``(start, recompute_peak)``.
+  node's span a point holds :meth:`Item.held_at` more in its forward, :attr:`Item.held` more
+  after it; its recompute adds the point ``(start, recompute_peak)``.
 
 The walk is a dynamic programme over the tree in execution order whose state is the set of
 Pareto-optimal ``(bytes freed so far, cost so far)`` pairs (with :attr:`Item.cached`, the bytes
@@ -66,12 +63,9 @@ class Item:
     # item named path[i:j], spanning those children)
     runs: tuple[tuple[int, int, Item], ...] = ()
     written: int = 0  # bytes the recompute's ops write
-    # bytes it keeps alive during its own forward beyond the step without recompute (inputs
-    # the checkpoint holds): added to the points inside its span, and to those of its
-    # backward (start <= p <= end: its recompute has brought back all its forward dropped,
-    # and handed over what a selective recompute cached); and how that changes
-    # part-way, (point, bytes) from that point on (what its finished parts saved, dropped by
-    # the checkpoint: negative; a selective recompute's cached outputs: positive)
+    # held, held_from (and cached below): as autoremat.costs.profile.NodeCost's; ``held`` is
+    # also added to the points of its backward, start <= p <= end (its recompute has brought
+    # back all its forward dropped, and handed over what a selective recompute cached)
     held: int = 0
     held_from: tuple[tuple[int, int], ...] = ()
     # the other ways to recompute this node whole (same path and span, no children)
@@ -80,10 +74,7 @@ class Item:
     # the recompute's time, measured (ops and per-op overheads); None: priced from flops and
     # written bytes
     seconds: float | None = None
-    # the part of ``freed`` that stays live until the forward ends (under autocast, the weight
-    # casts its forward made, which autocast's cast cache keeps until its region ends): at
-    # the points of the forward the item frees ``freed - cached``, after it ``freed``
-    cached: int = 0
+    cached: int = 0  # (see held above, and freed_in_forward)
 
     @property
     def freed_in_forward(self) -> int:
@@ -302,15 +293,10 @@ class _Solver:
 
     def take(self, item: Item, states: list[_State]) -> list[_State]:
         """The states in which recomputing ``item`` whole fits, with it recomputed."""
-        if item.held_from or self.phased:
-            worst = self.memo.get(id(item))  # (items live as long as their root)
-            if worst is None:
-                worst = self.memo[id(item)] = item.worst_inside(self.during, self.after)
-            during, after = worst
-        else:  # the same in both phases (the common case, kept fast)
-            inside = max(self.need[item.start + 1 : item.end + 1], default=NONE)
-            after = max(inside, self.after[item.start] if item.start <= self.top else NONE)
-            after = during = after + item.held if after > NONE else 0
+        worst = self.memo.get(id(item))  # (items live as long as their root)
+        if worst is None:
+            worst = self.memo[id(item)] = item.worst_inside(self.during, self.after)
+        during, after = worst
         fits = self.feasible(states, max(after, item.recompute_peak))
         fits = self.forward_fits(fits, during)
         cap = self.cap

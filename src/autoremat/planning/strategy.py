@@ -6,10 +6,7 @@ or a profile of one training step), a check of its request that runs before the 
 (and returns the request with its keywords parsed), and ``choose``: a function from that
 evidence and the request to the plan's fields. ``choose`` is pure planning: it reads, it
 neither runs the model nor wraps anything nor logs (the planner does; what a strategy has to
-say goes into the plan's ``warnings``).
-
-Adding a strategy is one file in :mod:`autoremat.planning.strategies` that defines a
-``STRATEGY`` and one line in :data:`autoremat.planning.plan.STRATEGIES`.
+say goes into the plan's ``warnings``). Adding one: :mod:`autoremat.planning.strategies`.
 """
 
 from __future__ import annotations

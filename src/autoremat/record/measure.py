@@ -25,13 +25,12 @@ Memory trackers (``measure(memory=...)``): ``"tensors"`` is
 allocator on CUDA and for a compiled model, tensors otherwise.
 
 A model compiled by ``torch.compile`` (an ``OptimizedModule``, or any submodule compiled in place
-with ``Module.compile()``) is measured by the allocator: on CPU
-:class:`autoremat.record.memory.CpuAllocatorMemory` (the profiler's memory events), on CUDA
-:class:`~autoremat.record.memory.CudaMemory`. A dispatch mode would make dynamo run the model
-eagerly and measure the eager step instead (and, in torch 2.13, never compile it again:
-:mod:`autoremat.record.compiled`). The step should be warm (compiled before), or the compile's own
-memory is counted. Its ``flops`` are then those of the eager step (``FlopCounterMode`` runs with the
-model forced eager): the compiled graphs may recompute other ops.
+with ``Module.compile()``) is measured by the allocator, as above: a dispatch mode would make
+dynamo run the model eagerly and measure the eager step instead (and, in torch 2.13, never
+compile it again: :mod:`autoremat.record.compiled`). The step should be warm (compiled
+before), or the compile's own memory is counted. Its ``flops`` are then those of the eager
+step (``FlopCounterMode`` runs with the model forced eager): the compiled graphs may recompute
+other ops.
 """
 
 from __future__ import annotations
@@ -62,9 +61,7 @@ from autoremat.record.step import (
 
 __all__ = ["MEMORY", "Measurement", "measure"]
 
-# What measure(memory=...) accepts: "tensors" (LiveMemory, storages the step's ops return),
-# "allocator" (what the device allocator reports) and "auto" (the allocator on CUDA and for a
-# compiled model, tensors otherwise).
+# What measure(memory=...) accepts (the module docstring says what each means).
 MEMORY = ("auto", "tensors", "allocator")
 
 

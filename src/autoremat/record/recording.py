@@ -99,8 +99,8 @@ class Recording:
     born: dict[int, int]
     last_save: dict[Node, tuple[int, int]]
     unpacked: dict[Node, tuple[int, int]]
-    # kept outputs (storage keys) that an op changed in place after they were made (selective
-    # checkpointing refuses such a cached tensor in the recompute)
+    # changed, kept_freed (and born): the kept outputs' facts, as KeptOutputs
+    # (autoremat.record.kept_outputs) notes them
     changed: set[int] = field(default_factory=set)
     # the index of the "unpack" event marked when backward first used what a node saved
     unpack_events: dict[Node, int] = field(default_factory=dict)
@@ -108,7 +108,6 @@ class Recording:
     # region ends (a weight's copy in the lower precision: a float32 leaf that requires grad),
     # whoever saved them: a checkpointed module does not free them during the forward
     cached_casts: set[int] = field(default_factory=set)
-    # kept output key -> the event count when the step without recompute freed it
     kept_freed: dict[int, int] = field(default_factory=dict)
     # what Hugging Face's mask code decided reading the step's values, in order
     # (:func:`~autoremat.core.huggingface.mask_answers`), for a step without values to repeat

@@ -47,24 +47,23 @@ strategy's profile starts with that tree). It finds two things:
   output again; nothing kept it).
 
 Cost: no tensor is copied or read. A first, quick look flattens (at most :data:`MAX_TOKENS`
-items per attribute, :data:`MAX_CONTAINER_DEPTH` containers deep) the attributes of every module
-when
-the forward begins and ends, and of each called module when its call begins: about three
-look-ups of each module's ``__dict__``. Only when that finds a change does a second forward
-run with the detailed look, which flattens, per call, the attributes of every module inside
-the called one (about the number of modules times the depth of the tree). Each tensor
-argument costs two weak references and a few reads of its version counter, and is held (not
-copied) until its caller's call returns, or longer while it is that call's own argument or
-output: the forward then keeps the arguments of the finished calls of each running call
-alive, about what a forward that keeps every block's input holds, less than a training
-forward. Measured: 4-7 ms per plan on the built-in models (2-core CPU).
+items per attribute, :data:`MAX_CONTAINER_DEPTH` containers deep) the attributes of every
+module when the forward begins and ends, and of each called module when its call begins:
+about three look-ups of each module's ``__dict__``. Only when that finds a change does a
+second forward run with the detailed look, which flattens, per call, the attributes of every
+module inside the called one (about the number of modules times the depth of the tree). Each
+tensor argument costs two weak references and a few reads of its version counter, and is
+held (not copied) until its caller's call returns, or longer while it is that call's own
+argument or output: the forward then keeps the arguments of the finished calls of each
+running call alive, about what a forward that keeps every block's input holds, less than a
+training forward. Measured: 4-7 ms per plan on the built-in models (2-core CPU).
 
 Not seen: a parent that reads a child's attribute before it resets it; state outside the
 modules' attributes (module-level globals, closures, a clock, files), objects deeper than
 one object or :data:`MAX_CONTAINER_DEPTH` containers, items past :data:`MAX_TOKENS`,
-nondeterministic kernels; an argument changed in place, once its caller
-has returned, through an alias that shares its version counter but is no view of it
-(``detach()``) while the argument itself is gone; a forward that changes attributes of a
+nondeterministic kernels; an argument changed in place, once its caller has returned,
+through an alias that shares its version counter but is no view of it (``detach()``) while
+the argument itself is gone; a forward that changes attributes of a
 module outside its own subtree is found for the module around both, not for itself.
 """
 
@@ -126,12 +125,10 @@ class _Ref:
     def target(self) -> Any:
         return self.strong if self.ref is None else self.ref()
 
-    def same(self, other: _Ref) -> bool:
-        mine = self.target()
-        return mine is not None and mine is other.target() and self.version == other.version
-
     def __eq__(self, other: object) -> bool:  # (and so unhashable)
-        return isinstance(other, _Ref) and self.same(other)
+        mine = self.target()
+        return (isinstance(other, _Ref) and mine is not None and mine is other.target()
+                and self.version == other.version)  # fmt: skip
 
 
 def _first_difference(a: list[Any], b: list[Any]) -> int | None:
@@ -328,11 +325,8 @@ class ReplayCheck:
     non-empty :attr:`replay`), not every module a change concerns: run a detailed check on
     another forward then (:func:`autoremat.record.tree.build_tree` does).
 
-    A call's tensor arguments are held (referenced, not copied) until the call that made it
-    returns, or longer when they are that call's own arguments or outputs: a caller that
-    changes them in place and lets them go before the forward ends is seen. This keeps the
-    arguments of the finished calls of each running call alive, about what a forward that
-    keeps every block's input holds, less than a training forward."""
+    A call's tensor arguments are held as the module docstring's "Cost" says, so that a caller
+    that changes them in place and lets them go before the forward ends is seen."""
 
     def __init__(
         self, paths: dict[int, str], detailed: bool = True, previous: ReplayCheck | None = None

@@ -26,7 +26,6 @@ __all__ = [
     "LossFn",
     "Step",
     "StepHow",
-    "ambient_autocast",
     "autocast_for",
     "autocast_spec",
     "check_loss",
@@ -166,20 +165,16 @@ def autocast_spec(value: Any, model: nn.Module) -> Autocast | None:
     )
 
 
-def ambient_autocast() -> Autocast | None:
-    """The autocast enabled where this is called (``cuda`` first, then ``cpu``), or None."""
-    for device_type in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device_type):
-            return device_type, torch.get_autocast_dtype(device_type)
-    return None
-
-
 def step_autocast(value: Any, model: nn.Module) -> Autocast | None:
     """``autocast=`` as :func:`autocast_spec` makes it; when ``None``, the region the caller
-    runs in (:func:`ambient_autocast`). Every step autoremat runs, profiled or measured, runs
+    runs in (``cuda`` first, then ``cpu``). Every step autoremat runs, profiled or measured, runs
     inside :func:`no_ambient_autocast` with forward and loss under that autocast and backward
     outside, so a budget means the same inside a caller's region as with ``autocast=``."""
-    return autocast_spec(value, model) or ambient_autocast()
+    found = autocast_spec(value, model)
+    for device_type in ("cuda", "cpu"):  # (the caller's region: cuda first)
+        if found is None and torch.is_autocast_enabled(device_type):
+            found = device_type, torch.get_autocast_dtype(device_type)
+    return found
 
 
 def no_ambient_autocast() -> contextlib.ExitStack:

@@ -189,13 +189,10 @@ def build_tree(
     multi-way tree. The forward pass runs without gradients and the model is left exactly as it
     was found (buffers such as BatchNorm statistics, training mode, gradients, the global RNG
     state, the modules' Python attributes; see :func:`autoremat.record.snapshot.preserved`).
-    ``args`` may be a single tensor. The same run finds what a recompute of each
-    module could not replay (``Node.replay_reason`` and ``inplace_reason``;
-    :mod:`autoremat.record.side_effects`: about three look-ups of each module's attributes, no
-    tensor copied, each module's tensor arguments held until its caller returns). When that
-    forward changed Python state, a second one runs with a detailed look (about the number
-    of modules times the tree's depth in look-ups), and what it finds is kept (a first
-    forward may set things up once).
+    ``args`` may be a single tensor. The same run finds what a recompute of each module could
+    not replay (``Node.replay_reason`` and ``inplace_reason``), with a second, detailed forward
+    when that one changed Python state (:mod:`autoremat.record.side_effects` says how, and
+    what it costs).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
