@@ -14,7 +14,9 @@ in backward. A successful call must leave the same state.
 from __future__ import annotations
 
 import copy
+import gc
 import random
+import weakref
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -655,6 +657,48 @@ def test_planning_runs_the_users_hooks_and_they_can_tell() -> None:
     assert {kind for kind, _, _ in seen} == {"forward", "backward"}
     assert not any(measuring for _, measuring, _ in seen)
     assert any(recomputing for _, _, recomputing in seen)
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_the_collector_skips_only_what_existed_before_and_is_left_as_found() -> None:
+    """Planning freezes the objects that exist when it begins (``gc.freeze``: full collections
+    scan only what planning makes) and unfreezes them after; garbage made inside is
+    collected as ever; a program that froze objects itself finds them frozen still."""
+    from autoremat.core.collector import frozen
+    from autoremat.examples import EXAMPLES
+
+    before = _Cycle()
+    old = weakref.ref(before)
+    del before
+    with frozen():
+        assert gc.get_freeze_count() > 0
+        made = _Cycle()
+        new = weakref.ref(made)
+        del made
+        gc.collect()
+        assert new() is None, "garbage made inside is collected"
+        assert old() is not None, "what existed on entry is not looked at"
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert old() is None, "and is collected once unfrozen"
+
+    model, args, kwargs = EXAMPLES["gpt2"]()
+    counts: list[int] = []
+    model.h[0].register_forward_hook(lambda *_: counts.append(gc.get_freeze_count()))
+    autoremat.plan(model, args, kwargs, budget="50%", objective="flops")
+    assert counts and all(c > 0 for c in counts), "the planned steps ran frozen"
+    assert gc.get_freeze_count() == 0, "and nothing is left frozen"
+    gc.freeze()  # the program's own: kept, and not unfrozen by planning
+    try:
+        frozen_by_program = gc.get_freeze_count()
+        autoremat.plan(model, args, kwargs, budget="50%", objective="flops")
+        assert gc.get_freeze_count() >= frozen_by_program
+    finally:
+        gc.unfreeze()
 
 
 @pytest.mark.parametrize(

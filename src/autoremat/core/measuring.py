@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from autoremat.core.collector import frozen
+
 __all__ = ["is_measuring", "measuring"]
 
 # Not thread-local: on a GPU the backward (and so a backward hook) runs on autograd's own
@@ -28,10 +30,12 @@ def is_measuring() -> bool:
 
 @contextlib.contextmanager
 def measuring() -> Iterator[None]:
-    """Inside, :func:`is_measuring` is True (nested: until the outermost exits)."""
+    """Inside, :func:`is_measuring` is True (nested: until the outermost exits), and the
+    objects that existed on entry are frozen (:func:`autoremat.core.collector.frozen`)."""
     global _depth
     _depth += 1
     try:
-        yield
+        with frozen():
+            yield
     finally:
         _depth -= 1

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from autoremat.core.classes import is_wrapped
+from autoremat.core.collector import frozen
 from autoremat.core.huggingface import ordinary_positions_on_meta
 from autoremat.core.nested import iter_tensors, parameter_bytes
 from autoremat.core.own_checkpointing import switched_off, turned_off_message
@@ -287,7 +288,7 @@ def profile(
             "measure): call autoremat.remove(model) first"
         )
     autocast = step_autocast(autocast, model)
-    with no_ambient_autocast(), switched_off(model) as own:
+    with frozen(), no_ambient_autocast(), switched_off(model) as own:
         if own:
             logger.warning("%s", turned_off_message(model, own, "for the profile"))
         return _profile(model, args, kwargs, loss_fn, autocast, hf_cache, timed)

@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from autoremat.core.collector import frozen
 from autoremat.planning.solver import Infeasible, Item, min_peak, solve, walk_peak
 
 __all__ = [
@@ -57,14 +58,16 @@ class Walk:
     def plan(self, limit: int) -> Chosen | None:
         """The walk's cheapest plan whose peak it prices at most ``limit``; ``None``: none."""
         try:
-            return tuple(solve(self.root, self.after, limit, self.forward, self._memo))
+            with frozen():  # (the solver makes many states: autoremat.core.collector)
+                return tuple(solve(self.root, self.after, limit, self.forward, self._memo))
         except Infeasible:
             return None
 
     def fits(self, limit: int) -> bool:
         """Whether the walk has a plan it prices at most ``limit`` (any, not the cheapest)."""
         try:
-            solve(self.root, self.after, limit, self.forward, self._memo, priced=False)
+            with frozen():
+                solve(self.root, self.after, limit, self.forward, self._memo, priced=False)
         except Infeasible:
             return False
         return True
@@ -76,7 +79,8 @@ class Walk:
     @functools.cached_property
     def lowest(self) -> int:
         """The lowest limit the walk meets (:func:`min_peak`), found once."""
-        return min_peak(self.root, self.after, self.forward)
+        with frozen():
+            return min_peak(self.root, self.after, self.forward)
 
 
 def cost(chosen: Chosen) -> float:
