@@ -16,8 +16,8 @@ from __future__ import annotations
 import copy
 import gc
 import random
-import weakref
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
