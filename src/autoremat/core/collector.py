@@ -19,17 +19,24 @@ from collections.abc import Iterator
 
 __all__ = ["frozen"]
 
+# How many frozen() blocks are open (nested, or in other threads). Only the outermost asks
+# gc.get_freeze_count(), which walks every frozen object (about 23 ms for 500,000).
+_depth = 0
+
 
 @contextlib.contextmanager
 def frozen() -> Iterator[None]:
-    """Inside, the objects that existed on entry are frozen (module docstring). Does nothing
-    when some objects are frozen already (by an outer :func:`frozen`, or by the program
-    itself, whose frozen objects it then never unfreezes)."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
+    """Inside, the objects that existed on entry are frozen (module docstring). Only the
+    outermost block freezes, and not when the program froze objects itself (those it never
+    unfreezes)."""
+    global _depth
+    freeze = _depth == 0 and gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    _depth += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        _depth -= 1
+        if freeze:
+            gc.unfreeze()
