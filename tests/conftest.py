@@ -189,6 +189,18 @@ def tiny_llama() -> tuple[nn.Module, torch.Tensor]:
     return model, ids
 
 
+def under_autocast(name: str, batch: int = 2) -> tuple[nn.Module, tuple, dict]:
+    """The example ``name`` at ``batch`` (its first rows), for the tests that run it under
+    CPU autocast: bfloat16 and float16 CPU kernels are 70-100 times slower than float32 ones
+    on a CPU without AVX-512 (docs/benchmarks.md), so a full-size example's real steps under
+    autocast would be most of the suite's time."""
+    from autoremat.training.scale_batch import scale_batch
+
+    model, args, kwargs = EXAMPLES[name]()
+    args, kwargs = scale_batch(args, kwargs, batch)
+    return model, args, kwargs
+
+
 @pytest.fixture(params=list(EXAMPLES))
 def example(request: pytest.FixtureRequest) -> tuple[str, nn.Module, tuple, dict]:
     model, args, kwargs = EXAMPLES[request.param]()

@@ -205,20 +205,20 @@ def test_plan_takes_a_fraction_and_prints_sizes(tiny, capsys):
 
 
 @pytest.mark.slow
-def test_plan_takes_autocast_and_measures_under_it(capsys):
+def test_plan_takes_autocast_and_measures_under_it(capsys, tiny):
     """``--autocast bf16`` plans and measures the step as it will train (forward and loss
     under bf16 autocast): the figures ``plan(..., autocast=torch.bfloat16)`` gives."""
     import autoremat
     from autoremat.cli.targets import load_target
 
-    assert main(["plan", "mlp", "--budget", "50%", "--objective", "flops", "--measure",
+    assert main(["plan", tiny, "--budget", "75%", "--objective", "flops", "--measure",
                  "--autocast", "bf16"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    model, args, kwargs = load_target("mlp")
+    model, args, kwargs = load_target(tiny)
     chosen = autoremat.plan(
-        model, args, kwargs, budget=0.5, objective="flops", autocast=torch.bfloat16
+        model, args, kwargs, budget=0.75, objective="flops", autocast=torch.bfloat16
     )
-    fp32 = autoremat.plan(model, args, kwargs, budget=0.5, objective="flops")
+    fp32 = autoremat.plan(model, args, kwargs, budget=0.75, objective="flops")
     assert chosen.baseline_peak != fp32.baseline_peak
     assert chosen.estimated_peak is not None
     assert f"predicted peak {format_size(chosen.estimated_peak)}" in out

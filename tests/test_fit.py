@@ -19,6 +19,7 @@ from autoremat.record.step import train_step
 from autoremat.training.device_model import CUDA_CONTEXT, device_model
 from autoremat.training.optimizer_memory import optimizer_memory
 from autoremat.training.scale_batch import batch_size_of, scale_batch
+from conftest import under_autocast
 
 CASES = [("gpt2", "adamw"), ("cnn", "sgd"), ("mlp", None), ("looped", "adam"), ("hf-bert", "adamw")]
 
@@ -258,7 +259,7 @@ def test_autocast_is_sized_on_meta_as_it_runs(name: str) -> None:
     """Autocast does not act on meta tensors; MetaAutocast makes its casts there: the profile
     on meta under autocast equals the real one, node by node (CPU lists, checked against real
     CPU autocast), and a fit under autocast is verified by real autocast steps."""
-    model, args, kwargs = EXAMPLES[name]()
+    model, args, kwargs = under_autocast(name)
     spec = ("cpu", torch.bfloat16)
     real = autoremat.profile(model, args, kwargs, autocast=spec)
     shadow = autoremat.training.fit.meta_shadow(model)
@@ -272,7 +273,7 @@ def test_autocast_is_sized_on_meta_as_it_runs(name: str) -> None:
     found = autoremat.fit(
         model,
         lambda b: scale_batch(args, kwargs, b),
-        device_memory="32MiB",
+        device_memory="16MiB",
         autocast=torch.bfloat16,
         optimizer="sgd",
     )
@@ -286,8 +287,10 @@ def test_a_plan_made_for_autocast_holds_its_budget_under_autocast() -> None:
     inside an autocast region it does the same (the region's cast cache would hide the step's
     casts), and ``measure(..., autocast=...)`` measures that step; so do ``measure`` and
     ``measure_memory`` inside a region (they ran backward in it before, where the cache kept
-    the checkpointed blocks' weight copies through backward: 1.8% over the budget)."""
-    model, args, kwargs = EXAMPLES["looped"]()
+    the checkpointed blocks' weight copies through backward: 1.8% over the budget), and
+    a step inside the region is counted as one outside it (a recompute inside it kept its
+    casts in the region's cache: 2,304 bytes more at this plan's peak)."""
+    model, args, kwargs = under_autocast("looped")
     spec = ("cpu", torch.bfloat16)
     # FLOPs-priced: the plan must not depend on how busy the machine is (a time-priced one can
     # differ from run to run, and some under-predict under autocast: see the guide)
@@ -309,6 +312,8 @@ def test_a_plan_made_for_autocast_holds_its_budget_under_autocast() -> None:
         assert autoremat.measure(wrapped, args, kwargs).peak == measured
         found = autoremat.measure_memory(wrapped, args, kwargs, optimizer="sgd")
         assert torch.is_autocast_enabled("cpu")  # the caller's region, as it was
+        assert torch.autocast_decrement_nesting() == 0  # (its nesting too: 1, put back)
+        torch.autocast_increment_nesting()
     assert found.tensors == whole.tensors
 
 

@@ -20,6 +20,7 @@ from autoremat.core.selective import WAYS
 from autoremat.planning.planning_tree import planning_tree
 from autoremat.planning.rehearsal import PlanFields, Rehearsal
 from autoremat.planning.solver import walk_peak
+from conftest import under_autocast
 
 D, ROWS = 256, 512
 # how far below its run the walk may price a plan: it leaves some bytes to the runs (an input
@@ -319,9 +320,7 @@ def test_a_shared_encoders_weight_copies_under_autocast():
     """The first call casts the weights, the second saves the same copies: the two-tower
     example's first tower and the second's last attention recomputed (262,144 B over when
     derived)."""
-    from autoremat.examples import EXAMPLES
-
-    model, args, kwargs = EXAMPLES["two-tower"]()
+    model, args, kwargs = under_autocast("two-tower", batch=4)
     entries = ["encoder@0", f"encoder.h.{len(model.encoder.h) - 1}.attn@1"]
     _check(model, args, entries, kwargs, autocast=("cpu", torch.bfloat16))
 

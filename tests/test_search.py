@@ -27,6 +27,7 @@ from autoremat.planning.rehearsal import PlanFields, Rehearsal, rehearsal_for, w
 from autoremat.planning.search import TRIES, Walk, cheapest, cost, floor, hand_plans, lowest
 from autoremat.planning.solver import Item
 from autoremat.record.tree import find_blocks
+from conftest import under_autocast
 
 # --------------------------------------------------------------------------------------------
 # 1. The search
@@ -197,7 +198,8 @@ def test_a_plans_step_run_any_way_is_the_measured_peak(name: str, precision) -> 
     it: the step's peak with the plan is the measured one, to the byte."""
     if name.startswith("hf-"):
         pytest.importorskip("transformers")
-    _runs_any_way_as_measured(*EXAMPLES[name](), precision)
+    example = EXAMPLES[name]() if precision is None else under_autocast(name, batch=4)
+    _runs_any_way_as_measured(*example, precision)
 
 
 def test_a_group_norm_under_bf16_runs_on_fake_tensors_as_on_the_cpu() -> None:
