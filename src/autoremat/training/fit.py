@@ -9,8 +9,10 @@ get there with the least slowdown?" without running the model at each candidate 
    (``tests/test_calls.py``, ``tests/test_measure.py``);
 2. a batch *fits* when the whole step's memory (:mod:`autoremat.training.step_memory`: parameters,
    buffers, inputs, optimizer state and step, and the step peak of the plan at the lowest budget)
-   fits the device (:mod:`autoremat.training.device_model`); the largest such batch is found by
-   doubling, then bisection (one ``meta`` profile per candidate);
+   fits the device (:mod:`autoremat.training.device_model`); the largest such batch is found
+   where the line through the memory of the batches tried meets the device's limit, every
+   other try from the third bisecting or doubling (one ``meta`` profile per batch tried:
+   7 for the ``looped`` example at 96 MiB, where doubling then bisecting took 14);
 3. the plan for it is the cheapest whose predicted peak fits what the device leaves for the
    step; with ``objective="throughput"`` a few smaller batches are planned too, and the one
    with the most predicted samples per second is chosen (:func:`step_seconds`);

@@ -179,23 +179,31 @@ class Prober:
         return found
 
     def settle(self, guess: int, recompute: bool = True) -> int:
-        """The largest batch up to ``guess`` that fits as this prober sees it, when
-        ``guess + 1`` is known not to (0: none). The step's memory grows about linearly
-        with the batch, so each next batch tried is where the line through the two nearest
-        tried (one, at first: through no memory beyond what does not grow) meets the
-        device's limit, kept strictly between the largest that fits and the smallest that
-        does not; from the third on, every other try bisects instead (the line may be off):
-        a handful of real steps."""
-        need = {}  # batch -> the device memory it needs
-        lo, hi, batch = 0, guess + 1, guess
+        """The largest batch up to ``guess`` that fits as this prober sees it, by runs (the
+        lowest plan's, or no recompute), when ``guess + 1`` is known not to (0: none): a
+        handful of steps (:meth:`_narrow`), ``guess`` first."""
+        if recompute:
+            return self._narrow(0, guess + 1, lambda b: self.probe(b).lowest, guess, True)
+        return self._narrow(0, guess + 1, self.without, guess, True)
+
+    def _narrow(self, lo: int, hi: int, memory_of: Callable[[int], StepMemory],
+                batch: int, bounded: bool) -> int:  # fmt: skip
+        """The largest batch in ``lo..hi - 1`` whose memory (``memory_of``) fits, when ``lo``
+        fits (or is 0) and ``hi`` does not (``bounded``) or is beyond the batches allowed,
+        trying ``batch`` first. The step's memory grows about linearly with the batch, so
+        each next batch tried is where the line through the two nearest tried (one, at
+        first: through no memory beyond what does not grow) meets the device's limit, kept
+        strictly between ``lo`` and ``hi``; from the third on, every other try bisects
+        instead, or doubles ``lo`` while nothing bounds it (the line may be off)."""
+        need: dict[int, int] = {}
         while hi - lo > 1:
-            memory = self.probe(batch).lowest if recompute else self.without(batch)
+            memory = memory_of(batch)
             need[batch] = memory.device
             fixed = memory.parameters + memory.buffers + memory.optimizer_state
             lo, hi = (batch, hi) if need[batch] <= self.dm.limit else (lo, batch)
             guess = _crossing(need, lo, hi, fixed, self.dm.limit)
-            if len(need) >= 3:  # (then bisection: the line may be off)
-                guess = (lo + hi) // 2 if len(need) % 2 else guess
+            if len(need) >= 3 and len(need) % 2:  # (then bisection: the line may be off)
+                guess = (lo + hi) // 2 if bounded or hi in need else 2 * lo
             batch = min(hi - 1, max(lo + 1, guess))
         return lo
 
@@ -213,17 +221,17 @@ class Prober:
                                             scratch=self.by_allocator)  # fmt: skip
         return self.plain[batch]
 
-    def fits(self, batch: int, recompute: bool = True) -> bool:
-        """Whether ``batch``'s step fits with the lowest plan (or none): at once when the
-        walk's own lowest price fits (its guess: :meth:`largest` checks the batch it finds
-        by runs), else by running them."""
+    def need(self, batch: int, recompute: bool = True) -> StepMemory:
+        """``batch``'s whole step with the lowest plan (``recompute``) or none, as
+        :meth:`largest` first judges it: the walk's own lowest price when it fits (its guess:
+        :meth:`largest` checks the batch it finds by runs), else the runs' lowest."""
         if not recompute:
-            return self.without(batch).device <= self.dm.limit
+            return self.without(batch)
         probe = self.probe(batch)
         bound = probe.planner.bound()
         if bound is not None and bound.device <= self.dm.limit:
-            return True
-        return probe.lowest.device <= self.dm.limit
+            return bound
+        return probe.lowest
 
     def smallest_running(self, top: int) -> int:
         """The smallest of 1, 2, 4, ... (up to ``top``) whose step runs: a model normalising
@@ -241,21 +249,14 @@ class Prober:
                 batch *= 2
 
     def largest(self, top: int, recompute: bool = True) -> int:
-        """The largest batch in ``1..top`` that fits (0: none), by doubling then bisection
-        from the smallest batch that runs (:meth:`smallest_running`); the one found checked
-        by runs (:meth:`fits` may take the walk's word, which can be a little low)."""
+        """The largest batch in ``1..top`` that fits (0: none), from the smallest batch that
+        runs (:meth:`smallest_running`) by the line through the memory of the batches tried
+        (:meth:`_narrow`), each judged by :meth:`need`; the one found is checked by runs
+        (:meth:`need` may take the walk's word, which can be a little low)."""
         lo = self.smallest_running(top)
-        if not self.fits(lo, recompute):
+        if self.need(lo, recompute).device > self.dm.limit:
             return 0
-        hi = top + 1
-        while 2 * lo <= top:
-            if not self.fits(2 * lo, recompute):
-                hi = 2 * lo
-                break
-            lo *= 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.fits(mid, recompute) else (lo, mid)
+        lo = self._narrow(lo, top + 1, lambda b: self.need(b, recompute), lo, False)
         if recompute and self.probe(lo).lowest.device > self.dm.limit:
             return self.settle(lo - 1)
         return lo
