@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import autoremat
@@ -575,3 +577,41 @@ def test_the_fit_command_takes_a_reserve(capsys: Any) -> None:
                  "16MiB", "--no-verify", "--max-batch", "4096"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0 and "16.00 MiB reserved" in out and "--reserve" in out
+
+
+@given(
+    fixed=st.integers(0, 10**6),
+    per_row=st.integers(1, 10**5),
+    squared=st.integers(0, 50),
+    steps=st.lists(st.integers(0, 10**5), min_size=1, max_size=8),
+    limit=st.integers(1, 10**9),
+    top=st.integers(1, 2**16),
+)
+def test_the_batch_search_finds_the_largest_that_fits_in_few_tries(
+    fixed: int, per_row: int, squared: int, steps: list[int], limit: int, top: int
+) -> None:
+    """Whatever the memory's growth (a line, a square, steps), as long as it grows: the search
+    ``fit`` and its check use (``Prober._narrow``) returns the largest batch that fits, found
+    in about as few tries as bisection would need from a known bound."""
+    from types import SimpleNamespace
+
+    from autoremat.training.prober import Prober
+
+    def need(b: int) -> int:  # (a step up every 1,000 rows)
+        return fixed + per_row * b + squared * b * b + sum(steps[: b // 1000])
+
+    def memory_of(b: int) -> Any:
+        tried.append(b)
+        return SimpleNamespace(device=need(b), parameters=fixed, buffers=0, optimizer_state=0)
+
+    stub = SimpleNamespace(dm=SimpleNamespace(limit=limit))
+    if need(1) > limit:
+        return
+    truth = max(b for b in range(1, top + 1) if need(b) <= limit)
+    tried: list[int] = []
+    assert Prober._narrow(stub, 1, top + 1, memory_of, 1, False) == truth  # type: ignore[arg-type]
+    assert all(1 <= b <= top for b in tried)
+    assert len(tried) <= 3 * top.bit_length() + 3
+    tried.clear()
+    assert Prober._narrow(stub, 0, top + 1, memory_of, top, True) == truth  # type: ignore[arg-type]
+    assert len(tried) <= 2 * top.bit_length() + 3
