@@ -3,10 +3,12 @@
 For each model and precision: profile one step, find the lowest budget, plan a budget midway
 and one at the lowest (what ``make zoo`` times as ``plan s``), best of ``--repeats`` runs.
 Then the Llama-70B shape on ``meta`` (80 layers, 8192 wide, batch 8 x 4096): ``plan(75%)`` and
-``lowest_budget``, end to end. Runs with whatever ``autoremat`` is importable, so the same
-script times another checkout (``PYTHONPATH=<other>/src``) for a side-by-side table.
+``lowest_budget``, end to end. With ``--fit``, ``fit`` on three built-in examples instead
+(``looped`` and ``gpt2`` at 96 MiB, ``mlp`` at 48 MiB: the batch found and seconds). Runs
+with whatever ``autoremat`` is importable, so the same script times another checkout
+(``PYTHONPATH=<other>/src``) for a side-by-side table.
 
-    cd benchmarks && ../.venv-zoo/bin/python plan_times.py [--repeats 2] [--no-70b]
+    cd benchmarks && ../.venv-zoo/bin/python plan_times.py [--repeats 2] [--no-70b] [--fit]
 """
 
 from __future__ import annotations
@@ -57,14 +59,38 @@ def llama_70b_seconds() -> tuple[float, float]:
     return planned, lowest
 
 
+FITS = (("looped", "96MiB"), ("mlp", "48MiB"), ("gpt2", "96MiB"))
+
+
+def fit_seconds() -> None:
+    """``fit`` on the examples of :data:`FITS`: the batch found, the largest without
+    recompute, and seconds (the real check on the CPU allocator included)."""
+    from autoremat.examples import EXAMPLES
+    from autoremat.training.scale_batch import scale_batch
+
+    for name, memory in FITS:
+        model, args, kwargs = EXAMPLES[name]()
+        started = time.perf_counter()
+        found = autoremat.fit(
+            model, lambda b, a=args, k=kwargs: scale_batch(a, k, b), device_memory=memory
+        )
+        seconds = time.perf_counter() - started
+        print(f"fit {name} {memory}: batch {found.batch} (without recompute "
+              f"{found.largest_without_recompute}) in {seconds:.1f} s", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--no-70b", action="store_true")
+    parser.add_argument("--fit", action="store_true", help="time fit on three examples only")
     options = parser.parse_args()
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
+    if options.fit:
+        fit_seconds()
+        return
     print("| model | fp32 s | bf16 s |\n| --- | ---: | ---: |")
     for name in options.models:
         best = [
