@@ -314,8 +314,9 @@ def test_a_plan_made_for_autocast_holds_its_budget_under_autocast() -> None:
         assert autoremat.measure(wrapped, args, kwargs).peak == measured
         found = autoremat.measure_memory(wrapped, args, kwargs, optimizer="sgd")
         assert torch.is_autocast_enabled("cpu")  # the caller's region, as it was
-        assert torch.autocast_decrement_nesting() == 0  # (its nesting too: 1, put back)
+        below = torch.autocast_decrement_nesting()  # (its nesting too: 1, put back)
         torch.autocast_increment_nesting()
+        assert below == 0
     assert found.tensors == whole.tensors
 
 
@@ -591,11 +592,11 @@ def test_the_batch_search_finds_the_largest_that_fits_in_few_tries(
     fixed: int, per_row: int, squared: int, steps: list[int], limit: int, top: int
 ) -> None:
     """Whatever the memory's growth (a line, a square, steps), as long as it grows: the search
-    ``fit`` and its check use (``Prober._narrow``) returns the largest batch that fits, found
+    ``fit`` and its check use (``prober.narrow``) returns the largest batch that fits, found
     in about as few tries as bisection would need from a known bound."""
     from types import SimpleNamespace
 
-    from autoremat.training.prober import Prober
+    from autoremat.training.prober import narrow
 
     def need(b: int) -> int:  # (a step up every 1,000 rows)
         return fixed + per_row * b + squared * b * b + sum(steps[: b // 1000])
@@ -604,14 +605,11 @@ def test_the_batch_search_finds_the_largest_that_fits_in_few_tries(
         tried.append(b)
         return SimpleNamespace(device=need(b), parameters=fixed, buffers=0, optimizer_state=0)
 
-    stub = SimpleNamespace(dm=SimpleNamespace(limit=limit))
-    if need(1) > limit:
-        return
-    truth = max(b for b in range(1, top + 1) if need(b) <= limit)
-    tried: list[int] = []
-    assert Prober._narrow(stub, 1, top + 1, memory_of, 1, False) == truth  # type: ignore[arg-type]
+    truth = max((b for b in range(1, top + 1) if need(b) <= limit), default=0)
+    tried: list[int] = []  # (as fit's search: from batch 1, nothing above known)
+    assert narrow(0, top + 1, memory_of, limit, 1, bounded=False) == truth
     assert all(1 <= b <= top for b in tried)
     assert len(tried) <= 3 * top.bit_length() + 3
     tried.clear()
-    assert Prober._narrow(stub, 0, top + 1, memory_of, top, True) == truth  # type: ignore[arg-type]
+    assert narrow(0, top + 1, memory_of, limit, top, bounded=True) == truth
     assert len(tried) <= 2 * top.bit_length() + 3

@@ -30,7 +30,7 @@ from autoremat.training.optimizer_memory import OptimizerMemory
 from autoremat.training.scaled_profile import WINDOWS, NotScalable, ScaledProfiles
 from autoremat.training.step_memory import StepMemory, step_memory
 
-__all__ = ["Candidate", "Inputs", "Probe", "Prober", "on_meta", "step_seconds"]
+__all__ = ["Candidate", "Inputs", "Probe", "Prober", "narrow", "on_meta", "step_seconds"]
 
 logger = logging.getLogger(__name__)
 Inputs = Callable[[int], tuple[Any, dict[str, Any]]]
@@ -181,31 +181,9 @@ class Prober:
     def settle(self, guess: int, recompute: bool = True) -> int:
         """The largest batch up to ``guess`` that fits as this prober sees it, by runs (the
         lowest plan's, or no recompute), when ``guess + 1`` is known not to (0: none): a
-        handful of steps (:meth:`_narrow`), ``guess`` first."""
-        if recompute:
-            return self._narrow(0, guess + 1, lambda b: self.probe(b).lowest, guess, True)
-        return self._narrow(0, guess + 1, self.without, guess, True)
-
-    def _narrow(self, lo: int, hi: int, memory_of: Callable[[int], StepMemory],
-                batch: int, bounded: bool) -> int:  # fmt: skip
-        """The largest batch in ``lo..hi - 1`` whose memory (``memory_of``) fits, when ``lo``
-        fits (or is 0) and ``hi`` does not (``bounded``) or is beyond the batches allowed,
-        trying ``batch`` first. The step's memory grows about linearly with the batch, so
-        each next batch tried is where the line through the two nearest tried (one, at
-        first: through no memory beyond what does not grow) meets the device's limit, kept
-        strictly between ``lo`` and ``hi``; from the third on, every other try bisects
-        instead, or doubles ``lo`` while nothing bounds it (the line may be off)."""
-        need: dict[int, int] = {}
-        while hi - lo > 1:
-            memory = memory_of(batch)
-            need[batch] = memory.device
-            fixed = memory.parameters + memory.buffers + memory.optimizer_state
-            lo, hi = (batch, hi) if need[batch] <= self.dm.limit else (lo, batch)
-            guess = _crossing(need, lo, hi, fixed, self.dm.limit)
-            if len(need) >= 3 and len(need) % 2:  # (then bisection: the line may be off)
-                guess = (lo + hi) // 2 if bounded or hi in need else 2 * lo
-            batch = min(hi - 1, max(lo + 1, guess))
-        return lo
+        handful of steps (:func:`narrow`), ``guess`` first."""
+        memory_of = (lambda b: self.probe(b).lowest) if recompute else self.without
+        return narrow(0, guess + 1, memory_of, self.dm.limit, guess, bounded=True)
 
     def without(self, batch: int) -> StepMemory:
         """The whole step's memory of the model's own step at ``batch``, no recompute: a
@@ -251,12 +229,14 @@ class Prober:
     def largest(self, top: int, recompute: bool = True) -> int:
         """The largest batch in ``1..top`` that fits (0: none), from the smallest batch that
         runs (:meth:`smallest_running`) by the line through the memory of the batches tried
-        (:meth:`_narrow`), each judged by :meth:`need`; the one found is checked by runs
+        (:func:`narrow`), each judged by :meth:`need`; the one found is checked by runs
         (:meth:`need` may take the walk's word, which can be a little low)."""
-        lo = self.smallest_running(top)
-        if self.need(lo, recompute).device > self.dm.limit:
+        first = self.smallest_running(top)
+        # (from first - 1, which fits or runs not: first is the first batch judged)
+        memory_of = lambda b: self.need(b, recompute)  # noqa: E731
+        lo = narrow(first - 1, top + 1, memory_of, self.dm.limit, first, bounded=False)
+        if lo < first:
             return 0
-        lo = self._narrow(lo, top + 1, lambda b: self.need(b, recompute), lo, False)
         if recompute and self.probe(lo).lowest.device > self.dm.limit:
             return self.settle(lo - 1)
         return lo
@@ -274,6 +254,33 @@ class Prober:
 
 def on_meta(value: Any) -> Any:
     return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
+def narrow(lo: int, hi: int, memory_of: Callable[[int], StepMemory], limit: int, batch: int,
+           bounded: bool) -> int:  # fmt: skip
+    """The largest batch in ``lo..hi - 1`` whose device memory (``memory_of``) is within
+    ``limit``, when ``lo`` fits or is not judged (0, or the batch below the first that runs:
+    ``lo`` comes back when nothing above it fits) and ``hi`` does not (``bounded``) or is
+    beyond the batches allowed, trying ``batch`` first. Pure: ``memory_of`` is asked once per
+    batch tried.
+
+    The step's memory grows about linearly with the batch, so each next batch tried is where
+    the line through the two nearest tried (one, at first: through no memory beyond what does
+    not grow) meets ``limit``, kept strictly between ``lo`` and ``hi``; from the third on,
+    every other try bisects instead, or doubles ``lo`` while nothing bounds it (the line may
+    be off)."""
+    need: dict[int, int] = {}
+    while hi - lo > 1:
+        memory = memory_of(batch)
+        need[batch] = memory.device
+        fixed = memory.parameters + memory.buffers + memory.optimizer_state
+        lo, hi = (batch, hi) if need[batch] <= limit else (lo, batch)
+        guess = _crossing(need, lo, hi, fixed, limit)
+        if len(need) >= 3 and len(need) % 2:  # (then bisection: the line may be off)
+            guess = (lo + hi) // 2 if bounded or hi in need else 2 * lo
+        batch = min(hi - 1, max(lo + 1, guess))
+    return lo
+
 
 def _crossing(need: dict[int, int], lo: int, hi: int, fixed: int, limit: int) -> int:
     """The batch at which the line through the memory needed at ``lo`` and ``hi`` (those
