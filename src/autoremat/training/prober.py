@@ -283,11 +283,17 @@ def narrow(lo: int, hi: int, memory_of: Callable[[int], StepMemory], limit: int,
 
 
 def _crossing(need: dict[int, int], lo: int, hi: int, fixed: int, limit: int) -> int:
-    """The batch at which the line through the memory needed at ``lo`` and ``hi`` (those
-    tried; else through ``fixed`` bytes at batch 0) reaches ``limit``, rounded down."""
-    known = [(b, need[b]) for b in (lo, hi) if b in need] or [(0, fixed)]
-    (b0, m0), (b1, m1) = [(0, fixed), *known][-2:]
-    if m1 == m0:
+    """The batch at which the line through the memory needed at two batches tried reaches
+    ``limit``, rounded down: ``lo`` and ``hi`` when both were tried, else the two largest tried
+    up to ``lo`` (else ``fixed`` bytes at batch 0 and the one): a rank's memory is concave at
+    small batches (FSDP2's gathers, which do not grow, weigh most there), so the line from
+    batch 0 would undershoot."""
+    if lo in need and hi in need:
+        (b0, m0), (b1, m1) = (lo, need[lo]), (hi, need[hi])
+    else:
+        known = [(b, need[b]) for b in sorted(need) if b <= lo] or [(hi, need[hi])]
+        (b0, m0), (b1, m1) = [(0, fixed), *known][-2:]
+    if m1 <= m0:
         return b1
     return math.floor(b0 + (limit - m0) * (b1 - b0) / (m1 - m0))
 
