@@ -25,6 +25,12 @@ from autoremat.wrap.checkpointed import wrapped_paths
 settings.register_profile("autoremat", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("autoremat")
 
+# `make test` runs the suite in two processes (pytest-xdist) on two cores: one intra-op thread
+# each, or their threads spin waiting on each other (measured: 12.5 min where one process with
+# two threads took 23; with two threads each, slower than one process).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

@@ -388,12 +388,12 @@ def test_plot_writes_a_png(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_cli_bench(capsys) -> None:
+def test_cli_bench(capsys, tiny) -> None:
     from autoremat.cli.commands import main
 
-    assert main(["bench", "gpt2", "--repeats", "1"]) == 0
+    assert main(["bench", tiny, "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith("| gpt2 |")]
+    lines = [line for line in out.splitlines() if line.startswith(f"| {tiny} |")]
     assert "| model | strategy |" in out
     assert [line.split(" | ")[1] for line in lines][:2] == ["none", "every block"]
     assert "DIFFER" not in out

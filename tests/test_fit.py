@@ -125,7 +125,7 @@ def as_sized(found: autoremat.training.fit.Fit) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "memory"), [("gpt2", "96MiB"), ("looped", "96MiB")])
+@pytest.mark.parametrize(("name", "memory"), [("gpt2", "48MiB"), ("looped", "40MiB")])
 def test_the_batch_found_on_meta_fits_when_run_and_the_next_size_up_does_not(
     name: str, memory: str
 ) -> None:
