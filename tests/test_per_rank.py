@@ -351,11 +351,11 @@ def test_the_emulation_leaves_no_process_group_and_shards_by_the_world():
 
 
 @pytest.mark.slow
-def test_the_fit_command_sizes_one_rank(capsys):
+def test_the_fit_command_sizes_one_rank(capsys, tiny):
     """``autoremat fit TARGET --world-size N --sharding S`` prints one rank's batch and memory
     and says it is not checked on a device; ``--world-size`` alone, or ``--sharding`` alone
     (which once sized one rank silently), is one line, status 2."""
-    assert main(["fit", "mlp", "--device-memory", "48MiB", "--world-size", "4",
+    assert main(["fit", tiny, "--device-memory", "2MiB", "--world-size", "4",
                  "--sharding", "fsdp2", "--optimizer", "sgd"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "per rank: fsdp2 over 4 ranks" in out and "parameters (this rank's shards)" in out
