@@ -38,11 +38,9 @@ from launch_ranks import run_ranks, worker_main
 
 TOKENS = 32
 TIMEOUT = 600
-pytestmark = [
-    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                       reason="needs torch.distributed/gloo"),
-    pytest.mark.xdist_group(__name__),  # (one process builds the module-scoped ranks: Makefile)
-]
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed/gloo"
+)
 
 
 def build(kind: str) -> torch.nn.Module:

@@ -41,9 +41,6 @@ def recomputes(html: str) -> dict[str, set[str]]:
     return found
 
 
-pytestmark = pytest.mark.xdist_group(__name__)  # (one process builds the module's fixtures)
-
-
 @pytest.fixture(scope="module")
 def gpt2_page(tmp_path_factory):
     model, args, kwargs = gpt2()

@@ -19,8 +19,6 @@ from autoremat.planning.plans import Plan
 from autoremat.wrap.checkpointed import wrapped_paths
 from conftest import assert_same_step
 
-pytestmark = pytest.mark.xdist_group(__name__)  # (one process builds the module's fixtures)
-
 
 @pytest.fixture(scope="module")
 def gpt2_budget_plan() -> Plan:

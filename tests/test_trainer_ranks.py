@@ -33,11 +33,9 @@ from launch_ranks import run_ranks, worker_main
 
 WORLD = 2
 TIMEOUT = 600
-pytestmark = [
-    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                       reason="needs torch.distributed/gloo"),
-    pytest.mark.xdist_group(__name__),  # (one process builds the module-scoped ranks: Makefile)
-]
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed/gloo"
+)
 
 
 @functools.cache
