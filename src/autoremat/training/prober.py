@@ -285,9 +285,9 @@ def narrow(lo: int, hi: int, memory_of: Callable[[int], StepMemory], limit: int,
 def _crossing(need: dict[int, int], lo: int, hi: int, fixed: int, limit: int) -> int:
     """The batch at which the line through the memory needed at two batches tried reaches
     ``limit``, rounded down: ``lo`` and ``hi`` when both were tried, else the two largest tried
-    up to ``lo`` (else ``fixed`` bytes at batch 0 and the one): a rank's memory is concave at
-    small batches (FSDP2's gathers, which do not grow, weigh most there), so the line from
-    batch 0 would undershoot."""
+    up to ``lo`` (else ``fixed`` bytes at batch 0 and the one). More than ``fixed`` does not
+    grow with the batch (the gradients, the optimizer's step, a rank's FSDP2 gathers), so a
+    line from batch 0 would undershoot."""
     if lo in need and hi in need:
         (b0, m0), (b1, m1) = (lo, need[lo]), (hi, need[hi])
     else:
