@@ -26,7 +26,7 @@ settings.register_profile("autoremat", deadline=None, suppress_health_check=[Hea
 settings.load_profile("autoremat")
 
 # `make test` runs the suite in two processes (pytest-xdist) on two cores: one intra-op thread
-# each, or their threads spin waiting on each other (measured: 10 min where one process with
+# each, or their threads spin waiting on each other (measured: 10-12 min where one process with
 # two threads took 23; with two threads each, slower than one process: docs/benchmarks.md).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
