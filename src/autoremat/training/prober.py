@@ -265,10 +265,10 @@ def narrow(lo: int, hi: int, memory_of: Callable[[int], StepMemory], limit: int,
     batch tried.
 
     The step's memory grows about linearly with the batch, so each next batch tried is where
-    the line through the two nearest tried (one, at first: through no memory beyond what does
-    not grow) meets ``limit``, kept strictly between ``lo`` and ``hi``; from the third on,
-    every other try bisects instead, or doubles ``lo`` while nothing bounds it (the line may
-    be off)."""
+    the line through the two nearest tried (:func:`_crossing`: while none above was tried, the
+    two largest below) meets ``limit``, kept strictly between ``lo`` and ``hi``; from the third
+    on, every other try bisects instead, or doubles ``lo`` while nothing bounds it (the line
+    may be off)."""
     need: dict[int, int] = {}
     while hi - lo > 1:
         memory = memory_of(batch)
