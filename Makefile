@@ -39,12 +39,13 @@ typecheck: $(STAMP)
 # The tests run in $(JOBS) processes (pytest-xdist, an idle one takes half of the other's queue),
 # each with one intra-op thread (conftest.py): docs/architecture.md, "How the suite runs".
 JOBS ?= 2
+XDIST := -n $(JOBS) --dist worksteal
 test: lint typecheck
-	$(BIN)/python -m pytest -n $(JOBS) --dist worksteal
+	$(BIN)/python -m pytest $(XDIST)
 
 # The quick loop while working: lint, types and the tests not marked slow (2-3 minutes).
 test-fast: lint typecheck
-	$(BIN)/python -m pytest -m "not slow" -n $(JOBS) --dist worksteal
+	$(BIN)/python -m pytest -m "not slow" $(XDIST)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
@@ -56,4 +57,4 @@ zoo: $(ZOO_STAMP)
 
 # The zoo's tests (real DenseNet, RegNet, LeViT, Swin, a VAE, MoE, each library's switch).
 zoo-test: $(ZOO_STAMP)
-	$(ZOO_VENV)/bin/python -m pytest tests/test_library_zoo.py -n $(JOBS) --dist worksteal
+	$(ZOO_VENV)/bin/python -m pytest tests/test_library_zoo.py $(XDIST)
