@@ -79,14 +79,11 @@ class MetaAutocast(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "").strip("_")
-        if name in self.lower:
-            args, kwargs = tree_map(lambda v: self._cast(v, self.dtype), (args, kwargs))
-        elif name in self.fp32:
-            args, kwargs = tree_map(lambda v: self._cast(v, torch.float32), (args, kwargs))
-        elif name in _WIDEST:
-            widest = _widest((args, kwargs))
-            if widest is not None:
-                args, kwargs = tree_map(lambda v: self._cast(v, widest), (args, kwargs))
+        dtype = self.dtype if name in self.lower else torch.float32 if name in self.fp32 else None
+        if dtype is None and name in _WIDEST:
+            dtype = _widest((args, kwargs))
+        if dtype is not None:
+            args, kwargs = tree_map(lambda v: self._cast(v, dtype), (args, kwargs))
         return func(*args, **kwargs)
 
     def again(self) -> MetaAutocast:

@@ -1,12 +1,9 @@
 """Models compiled by ``torch.compile``: how to tell, and how to run one under a dispatch mode.
 
-Dynamo does not compile a frame while a ``TorchDispatchMode`` is active, and in torch 2.13 it
-then skips that code object for good, also once the mode is gone (pytorch#190286): one call
-of a compiled model under :class:`~autoremat.record.memory.LiveMemory` or ``FlopCounterMode`` would
-leave it running eagerly for the rest of the process. Whatever autoremat runs under a dispatch
-mode (profiling a step, counting FLOPs) therefore runs a compiled model under
-:func:`running_eagerly`, which asks dynamo to run compiled code eagerly without looking at
-its frames (``torch.compiler.set_stance("force_eager")``), leaving its compiled code intact.
+In torch 2.13 one call of a compiled model under a ``TorchDispatchMode`` leaves it running
+eagerly for good (pytorch#190286; docs/guide.md, "Under torch.compile"), so whatever autoremat
+runs under a dispatch mode (profiling a step, counting FLOPs) runs a compiled model under
+:func:`running_eagerly`, leaving its compiled code intact.
 """
 
 from __future__ import annotations

@@ -29,8 +29,7 @@ class KeptOutputs:
 
     def made(self, new: dict[int, int]) -> None:
         """Note an op's new storages ``new`` (key -> bytes)."""
-        for key in new:
-            self.born[key] = self.clock()
+        self.born.update(dict.fromkeys(new, self.clock()))
 
     def watch(self, out: Any, keys: set[int]) -> None:
         """Note, in :attr:`freed`, when the storages of ``out`` with the keys ``keys`` are

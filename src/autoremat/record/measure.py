@@ -1,11 +1,16 @@
 """Measure one training step of a model: peak memory, memory saved for backward, FLOPs, time.
 
-:func:`measure` runs ``forward -> loss -> backward`` on example inputs, starting with every
-``.grad`` at ``None`` (as after ``optimizer.zero_grad(set_to_none=True)``), and leaves the model
-exactly as it found it (see :func:`autoremat.record.snapshot.preserved`). Memory comes from
-:class:`autoremat.record.memory.LiveMemory` (tensor storages created by the step, exact to the byte
-and the same on the ``meta`` device as on a real one), FLOPs from
+:func:`measure` says what the step is and what it leaves as found; :class:`Measurement`
+defines the figures. Memory comes from a tracker (below), FLOPs from
 :class:`torch.utils.flop_counter.FlopCounterMode`, time from separate runs without either.
+
+Memory trackers (``measure(memory=...)``): ``"tensors"`` is
+:class:`~autoremat.record.memory.LiveMemory` (tensor storages created by the step, exact to the
+byte and the same on the ``meta`` device as on a real one; :mod:`autoremat.record.memory` says
+what it cannot see: scratch buffers inside kernels, allocator rounding); ``"allocator"`` what
+the allocator reports (:class:`~autoremat.record.memory.CudaMemory` on CUDA, what an
+out-of-memory error is about; :class:`~autoremat.record.memory.CpuAllocatorMemory` on CPU);
+``"auto"`` (the default) is the allocator on CUDA and for a compiled model, tensors otherwise.
 
 On the ``meta`` device (model and inputs) nothing is computed or allocated, yet ``peak``,
 ``saved`` and ``flops`` come out equal to the CPU figures (checked on linear chains with
@@ -15,22 +20,10 @@ the device picks other kernels (``scaled_dot_product_attention`` backends on CUD
 other tensors), and code that reads tensor values (``.item()``, data-dependent shapes)
 fails on ``meta``.
 
-See :class:`Measurement` for the exact definitions, and :mod:`autoremat.record.memory` for what
-the memory tracker cannot see (scratch buffers inside kernels, allocator rounding).
-
-Memory trackers (``measure(memory=...)``): ``"tensors"`` is
-:class:`~autoremat.record.memory.LiveMemory`; ``"allocator"`` what the allocator reports
-(:class:`~autoremat.record.memory.CudaMemory` on CUDA, what an out-of-memory error is about;
-:class:`~autoremat.record.memory.CpuAllocatorMemory` on CPU); ``"auto"`` (the default) is the
-allocator on CUDA and for a compiled model, tensors otherwise.
-
-A model compiled by ``torch.compile`` (an ``OptimizedModule``, or any submodule compiled in place
-with ``Module.compile()``) is measured by the allocator, as above: a dispatch mode would make
-dynamo run the model eagerly and measure the eager step instead (and, in torch 2.13, never
-compile it again: :mod:`autoremat.record.compiled`). The step should be warm (compiled
-before), or the compile's own memory is counted. Its ``flops`` are then those of the eager
-step (``FlopCounterMode`` runs with the model forced eager): the compiled graphs may recompute
-other ops.
+A model compiled by ``torch.compile`` is measured by the allocator: a dispatch mode would make
+dynamo run it eagerly (:mod:`autoremat.record.compiled`; docs/guide.md, "Under torch.compile").
+The step should be warm (compiled before), or the compile's own memory is counted. Its
+``flops`` are those of the eager step: the compiled graphs may recompute other ops.
 """
 
 from __future__ import annotations
@@ -138,31 +131,23 @@ def measure(
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     inputs = leaf_inputs(args, kwargs)
     loss, cast = loss_fn or default_loss, step_autocast(autocast, model)
-
-    run = functools.partial(_step, model, args, kwargs, loss, cast)
-    # Memory and FLOPs come from two runs: FlopCounterMode's module tracker keeps the autograd
-    # nodes of checkpoint recomputes alive (their recomputed activations with them) until it
-    # exits, which would inflate a checkpointed model's peak.
+    run = functools.partial(train_step, model, args, kwargs, loss, autocast=cast)
+    # Memory and FLOPs from two runs: FlopCounterMode's module tracker keeps checkpoint
+    # recomputes' autograd nodes (and activations) alive until it exits, inflating the peak.
     cuda = uses_cuda(model, (args, kwargs))
     tracker = _tracker(memory, model, cuda)
-    with preserved(model, inputs), tracker as tracked:
-        run(after_forward=lambda: tracked.snapshot("forward"))
-    with preserved(model, inputs), running_eagerly(model), FlopCounterMode(display=False) as flops:
-        run()
-    return Measurement(
-        peak=tracked.peak,
-        saved=tracked.marks["forward"],
-        flops=flops.get_total_flops(),
-        seconds=_median_seconds(run, model, inputs, cuda, repeats),
-    )
-
-
-def _step(model: nn.Module, args: Any, kwargs: Any, loss: LossFn, cast: Any,
-          after_forward: Any = None) -> None:  # fmt: skip
-    """One step as :func:`measure` runs it, outside the caller's autocast region (forward
-    and loss in a region of their own: :func:`~autoremat.record.step.step_autocast`)."""
-    with no_ambient_autocast():
-        train_step(model, args, kwargs, loss, after_forward=after_forward, autocast=cast)
+    counter = FlopCounterMode(display=False)
+    with no_ambient_autocast():  # (forward and loss in a region of their own: step_autocast)
+        with preserved(model, inputs), tracker as tracked:
+            run(after_forward=lambda: tracked.snapshot("forward"))
+        with preserved(model, inputs), running_eagerly(model), counter as flops:
+            run()
+        return Measurement(
+            peak=tracked.peak,
+            saved=tracked.marks["forward"],
+            flops=flops.get_total_flops(),
+            seconds=_median_seconds(run, model, inputs, cuda, repeats),
+        )
 
 
 def _tracker(memory: str, model: nn.Module, cuda: bool) -> Any:

@@ -2,16 +2,12 @@
 
 :class:`LiveMemory` is a :class:`~torch.utils._python_dispatch.TorchDispatchMode`: while it is
 active it sees the output of every ATen op that reaches the Python dispatcher, on every device
-(``cpu``, ``cuda``, ``meta``) and in every phase of a training step:
-
-* the forward pass;
-* the backward pass (the autograd engine carries the dispatch mode stack into the thread that
-  runs backward, so gradients, including the ``.grad`` of parameters, are seen);
-* the recompute that :func:`torch.utils.checkpoint.checkpoint` runs inside backward;
-* the outputs that selective checkpointing
-  (:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`) keeps in its own cache,
-  outside autograd's saved tensors (``saved_tensors_hooks`` do not see them; this mode does,
-  because the selective-checkpoint mode calls each op through the modes below it).
+(``cpu``, ``cuda``, ``meta``) and in every phase of a training step: the forward; the backward
+(the autograd engine carries the dispatch mode stack into the thread that runs it, so
+gradients, the ``.grad`` of parameters included, are seen); checkpoint's recompute inside
+backward; the outputs selective checkpointing keeps in its own cache, outside autograd's saved
+tensors (``saved_tensors_hooks`` do not see them; this mode does, because the
+selective-checkpoint mode calls each op through the modes below it).
 
 What it counts
     *Tensor storages*. Each :class:`torch.UntypedStorage` that first appears as the output of an
@@ -76,9 +72,6 @@ __all__ = [
     "block_bytes",
     "cpu_allocator_countable",
 ]
-
-# Ops that return a tensor made outside the dispatcher (torch.tensor(...) data) as their output.
-_FRESH_OPS = frozenset({torch.ops.aten.lift_fresh.default})
 
 # The CUDA caching allocator's rounding: every block a multiple of 512 bytes, at least 512
 # (``kMinBlockSize`` in ``c10/cuda/CUDACachingAllocator.cpp``); ``max_memory_allocated``
@@ -210,7 +203,8 @@ class LiveMemory(TorchDispatchMode):
         if not outputs:
             return out
         known: set[int] = set()
-        if func not in _FRESH_OPS and not (outputs[0].is_meta and fresh_only(func)):
+        made_outside = func is torch.ops.aten.lift_fresh.default  # (torch.tensor(...) data)
+        if not made_outside and not (outputs[0].is_meta and fresh_only(func)):
             for t in op_tensors((args, kwargs)):  # (on meta, a fresh-only op's are new)
                 known.update(id(st) for st in _storages(t))
         with self._lock:

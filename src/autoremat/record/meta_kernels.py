@@ -1,9 +1,8 @@
 """PyTorch's meta kernels, remembered: a step on ``meta`` runs each op's own kernel once per
-distinct input and gives the same result again without running it.
+distinct input and gives the same result again without running it (why: docs/cost-model.md,
+"Running a plan's step").
 
-A meta kernel computes an op's output shapes, strides and dtypes from its inputs' (most of
-them in Python, through ``torch._refs``): on a model of 80 identical layers, most of a meta
-step's time. The result is a pure function of the inputs' metadata and the other arguments,
+A meta kernel's result is a pure function of the inputs' metadata and the other arguments,
 so an op met again with the same ones (the next layer's) gets fresh tensors of the shapes,
 strides and dtypes its kernel gave the first time. Only ops whose outputs are new tensors are
 remembered: no view, no in-place or ``out=`` op (their schema marks an alias), every return

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import functools
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,13 +142,12 @@ class OpCosts(TorchDispatchMode):
         stack: list[Node],
         own: dict[Node, OwnOps],
         clock: Callable[[], int],
-        preexisting: frozenset[int] = frozenset(),
-        cast_dtype: torch.dtype | None = None,
+        preexisting: frozenset[int],
+        cast_dtype: torch.dtype | None,
     ) -> None:
         super().__init__()
         self.stack = stack
         self.own = own
-        self.clock = clock
         self.preexisting = preexisting  # storage keys of parameters, buffers and inputs
         self.cast_dtype = cast_dtype  # the autocast's lower precision (None: no autocast)
         self.cached: set[int] = set()  # storage keys of the casts autocast's cache keeps
@@ -203,7 +202,7 @@ class OpCosts(TorchDispatchMode):
         )
 
 
-def new_storages(seen: set[int | None], out: Any) -> dict[int, int]:
+def new_storages(seen: Collection[int | None], out: Any) -> dict[int, int]:
     """The storages an op's outputs hold that its inputs (``seen``: their storage keys) did
     not: key -> bytes, in order."""
     new: dict[int, int] = {}
@@ -243,29 +242,28 @@ class _Recorder:
         )
         self.grad_hooks: list[Any] = []
         self.progress = Progress("profiling", sum(n.calls for n in tree.walk()), "module calls")
-        self.rec = Recording(
-            tree=self.root,
-            events=[],
-            own_saved=defaultdict(int),
-            own_ops=defaultdict(OwnOps),
-            savers={},
-            input_keys=defaultdict(dict),
-            output_keys=defaultdict(set),
-            born={},
-            last_save={},
-            unpacked={},
-        )
         self.costs = OpCosts(
             self.stack,
-            self.rec.own_ops,
+            defaultdict(OwnOps),
             lambda: len(self.rec.events),
             self.preexisting,
             cast_dtype,
         )
-        self.rec.born = self.costs.kept.born
-        self.rec.changed = self.costs.kept.changed
-        self.rec.cached_casts = self.costs.cached
-        self.rec.kept_freed = self.costs.kept.freed
+        self.rec = Recording(
+            tree=self.root,
+            events=[],
+            own_saved=defaultdict(int),
+            own_ops=self.costs.own,
+            savers={},
+            input_keys=defaultdict(dict),
+            output_keys=defaultdict(set),
+            born=self.costs.kept.born,
+            last_save={},
+            unpacked={},
+            changed=self.costs.kept.changed,
+            cached_casts=self.costs.cached,
+            kept_freed=self.costs.kept.freed,
+        )
 
     def mark(self, kind: str, node: Node) -> None:
         self.rec.events.append((kind, node, self.memory.peak, self.memory.current))
@@ -320,7 +318,17 @@ class _Recorder:
 
     def enter(self, module: nn.Module, a: Any, kw: Any) -> None:
         if torch._C._current_graph_task_id() != -1:  # a forward during backward: recomputed
-            raise SelfCheckpointingError(_recomputes_itself(self.modules[id(module)].path))
+            path = self.modules[id(module)].path
+            raise SelfCheckpointingError(
+                f"module {path or '(root)'!r} ran its forward during backward: the model "
+                f"recomputes it itself (its own activation checkpointing, a "
+                f"torch.utils.checkpoint call in a forward) with no switch autoremat knows, so "
+                f"its step cannot be profiled. Turn the model's own checkpointing off before "
+                f"planning (autoremat's plan replaces it): transformers "
+                f"model.gradient_checkpointing_disable(), diffusers "
+                f"disable_gradient_checkpointing(), timm set_grad_checkpointing(False), or a "
+                f"flag of your own code"
+            )
         k = self.count[id(module)]
         self.count[id(module)] += 1
         inputs = tuple(tensor_infos(a, "args") + tensor_infos(kw, "kwargs"))
@@ -333,11 +341,7 @@ class _Recorder:
             caller.children.append(call)
         self.mark("start", call)
         self.stack.append(call)
-        self.rec.input_keys[call].update(
-            (key, t.untyped_storage().nbytes())
-            for _, t in iter_tensors((a, kw))
-            if (key := storage_key(t)) is not None and key not in self.preexisting
-        )
+        self.rec.input_keys[call] = new_storages(self.preexisting, (a, kw))
 
     def leave(self, module: nn.Module, a: Any, kw: Any, out: Any) -> None:
         call = self.stack.pop()
@@ -372,17 +376,6 @@ class _Recorder:
 class SelfCheckpointingError(ValueError):
     """The model recomputes a module itself, in backward, with no switch autoremat knows (its
     own call of ``torch.utils.checkpoint``): it cannot be profiled as it stands."""
-
-
-def _recomputes_itself(path: str) -> str:
-    return (
-        f"module {path or '(root)'!r} ran its forward during backward: the model recomputes it "
-        f"itself (its own activation checkpointing, a torch.utils.checkpoint call in a forward) "
-        f"with no switch autoremat knows, so its step cannot be profiled. Turn the model's own "
-        f"checkpointing off before planning (autoremat's plan replaces it): transformers "
-        f"model.gradient_checkpointing_disable(), diffusers disable_gradient_checkpointing(), "
-        f"timm set_grad_checkpointing(False), or a flag of your own code"
-    )
 
 
 def _call_of(node: Node, k: int, inputs: tuple[TensorInfo, ...] = ()) -> Node:

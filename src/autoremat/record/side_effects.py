@@ -1,11 +1,9 @@
 """What a recompute cannot replay, found on the forward that builds the module tree.
 
-A recomputed module's forward runs again in backward (``torch.utils.checkpoint``,
-non-reentrant). The wrap replays the global random state (torch's, Python's ``random``,
-NumPy's) and puts the module's buffers back; it cannot replay the rest of what a forward reads
-and changes. :class:`ReplayCheck` holds module hooks that :func:`autoremat.record.tree.build_tree`
-calls on every module call of the forward it runs, which both strategies use (the budget
-strategy's profile starts with that tree). It finds two things:
+What is found, why a recompute cannot replay it and which modules are left out for it:
+docs/guide.md, "What planning leaves out" (what the wrap does replay: "What a recompute
+sees"). :class:`ReplayCheck` holds module hooks that :func:`autoremat.record.tree.build_tree`
+calls on every module call of the forward it runs. It compares:
 
 * **Python state** (:attr:`ReplayCheck.replay`). The Python attributes of the called module
   *and of every module inside it* (their ``__dict__``, less torch's own entries: parameters,
@@ -15,56 +13,34 @@ strategy's profile starts with that tree). It finds two things:
   and deques by type, length and items; tensors by identity and version counter (an
   in-place update of a plain tensor attribute, which is no buffer the wrap restores); random
   generators (``torch.Generator``, ``random.Random``, NumPy's) by state; other objects by
-  identity and their own attributes, one object deep. A difference means a recompute would
-  read other values (a warm-up counter ``self.step += 1``, a flag its parent set for this
-  call only, a private generator's next numbers) or do a side effect twice (a list appended
-  to). Such a module cannot be recomputed exactly, and neither can a module around it:
-  recomputing the parent runs the child's forward again (the parent's own call covers the
-  child's attributes, so it is found the same way). A parent that sets a child's attribute
-  before each call, and so replays it, is not left out for it; the child is. So is one that
-  sets it to a new object each time (RecurrentGemma resets ``rg_lru.recurrent_states`` to
-  ``None`` before each call, which the call then replaces with a new tensor): an attribute
-  with which each of a module's calls began the same on the first forward as on the second
-  (call by call, :meth:`ReplayCheck._reset`) is set by something around it.
-  :func:`~autoremat.record.tree.build_tree` looks quickly on its forward and, when anything
-  changed, in detail on a *second* forward, whose findings it keeps (a first forward may set
-  things up once: a Hugging Face classification head sets ``config.problem_type``), so only
-  what changes on every forward counts.
+  identity and their own attributes, one object deep. An attribute with which each of a
+  module's calls began the same on the first forward as on the second (call by call,
+  :meth:`ReplayCheck._reset`) is set by something around it, which is not left out for it.
 * **Inputs changed in place** (:attr:`ReplayCheck.inplace`). The version counter of every
-  tensor among the call's arguments (:func:`autoremat.core.nested.iter_tensors`; inference tensors
-  have none and are skipped) when the call began, against its value when the call returned,
-  when its caller's call returned and when the forward ended. ``checkpoint`` keeps a
-  recomputed module's inputs for its recompute, and one changed in place since then fails
-  backward (torch's "modified by an inplace operation", naming no module, or the wrap's
-  ``CheckpointError``). This concerns the module's boundary only. A module around it
-  recomputes from its own inputs: a tensor made inside it and changed in place by a child is
-  made again and changed again, identically (``nn.ReLU(inplace=True)`` after a BatchNorm in a
-  Sequential: the ReLU cannot be recomputed alone, the Sequential can); when the tensor is
-  also the outer module's input, the outer module's own check finds it. An output the caller
-  changes in place matters only when it is an input of the module or a view of one (views
-  share their base's version counter), and the check of that input finds it: a BatchNorm
-  whose output an in-place ReLU then changes is recomputed exactly (checkpoint makes the
-  output again; nothing kept it).
+  tensor among the call's arguments (:func:`autoremat.core.nested.iter_tensors`; inference
+  tensors have none and are skipped) when the call began, against its value when the call
+  returned, when its caller's call returned and when the forward ended. An output the caller
+  changes in place is found through the input it is (or is a view of: views share their
+  base's version counter); a tensor that is also an outer module's input, by that module's
+  own check.
 
 Cost: no tensor is copied or read. A first, quick look flattens (at most :data:`MAX_TOKENS`
 items per attribute, :data:`MAX_CONTAINER_DEPTH` containers deep) the attributes of every
-module when the forward begins and ends, and of each called module when its call begins:
-about three look-ups of each module's ``__dict__``. Only when that finds a change does a
-second forward run with the detailed look, which flattens, per call, the attributes of every
-module inside the called one (about the number of modules times the depth of the tree). Each
-tensor argument costs two weak references and a few reads of its version counter, and is
-held (not copied) until its caller's call returns, or longer while it is that call's own
-argument or output: the forward then keeps the arguments of the finished calls of each
-running call alive, about what a forward that keeps every block's input holds, less than a
-training forward. Measured: 4-7 ms per plan on the built-in models (2-core CPU).
+module when the forward begins and ends, and of each called module when its call begins
+(about three look-ups of each module's ``__dict__``). Only when that finds a change does
+:func:`~autoremat.record.tree.build_tree` run a second forward with the detailed look, whose
+findings it keeps: per call, the attributes of every module inside the called one (about the
+number of modules times the depth of the tree). Each tensor argument costs two weak
+references and a few reads of its version counter, and is held (not copied) until its
+caller's call returns, or longer while it is that call's own argument or output.
 
 Not seen: a parent that reads a child's attribute before it resets it; state outside the
 modules' attributes (module-level globals, closures, a clock, files), objects deeper than
 one object or :data:`MAX_CONTAINER_DEPTH` containers, items past :data:`MAX_TOKENS`,
 nondeterministic kernels; an argument changed in place, once its caller has returned,
 through an alias that shares its version counter but is no view of it (``detach()``) while
-the argument itself is gone; a forward that changes attributes of a
-module outside its own subtree is found for the module around both, not for itself.
+the argument itself is gone; a forward that changes attributes of a module outside its own
+subtree is found for the module around both, not for itself.
 """
 
 from __future__ import annotations

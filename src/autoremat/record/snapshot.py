@@ -1,51 +1,28 @@
 """Leave a model exactly as it was found.
 
-``build_tree``, ``plan``, ``measure`` and ``profile`` run the user's model on example inputs.
-Running a model has side effects a user does not expect from a planning call: BatchNorm moves
-its running statistics, dropout consumes the global random state, a backward pass fills
-``.grad``, and a forward may size a statistic lazily (rebinding or resizing a buffer), register
-a buffer or a hook, or switch a submodule's mode. :func:`preserved` undoes all of it, when the
-body returns and when it raises. :func:`all_or_nothing` undoes a change to the modules
+``build_tree``, ``plan``, ``measure`` and ``profile`` run the user's model on example inputs,
+with side effects a planning call must not have (BatchNorm's running statistics, the global
+random state, ``.grad``, a buffer sized or registered lazily, a hook added, a mode switched).
+:func:`preserved` undoes them, when the body returns and when it raises: docs/guide.md, "When
+something fails", lists what it puts back for every module the model held on entry (its class,
+structure, hooks and modes; buffers by value; parameters but not their values; ``.grad``; the
+random generators; plain attributes, shallowly) and how a part that cannot be put back is
+reported (:class:`RestoreError`). :func:`all_or_nothing` undoes a change to the modules
 themselves (classes, attributes, hooks) that fails half-way (:func:`autoremat.wrap.apply`).
 
-What :func:`preserved` puts back, for every module the model held on entry:
-
-* **Structure, hooks, modes**: what ``nn.Module.__init__`` sets up (the parameter, buffer and
-  submodule dictionaries, the non-persistent buffer names, every hook dictionary, ``training``),
-  as the same objects holding the same entries in the same order: a buffer or submodule
-  registered, deleted or rebound, a hook added or removed, a mode switched are undone. The
-  dictionaries are refilled in place, so hook handles stay valid. And each module's class.
-* **Buffers**, by value, as the same tensor objects: each is copied on entry (buffers cost their
-  size once more while the body runs) and put back with its original storage, shape, strides,
-  dtype, device and values, whether the forward wrote to it (also through kernels that do not
-  bump the version counter, as batch_norm's statistics), resized it (``resize_``) or gave it
-  other data (``.data = ...``).
-* **Parameters**, as the same objects with their storage, shape, strides, dtype, device, class
-  and ``requires_grad``. Their *values* are not copied, as that would double the parameters'
-  memory: a forward that writes into a parameter keeps its write. Writes that move the version
-  counter (``with torch.no_grad(): p.add_(1)``) are reported by a ``RuntimeWarning`` naming
-  the parameter; writes through ``p.data`` do not move it and go unseen.
-* **Gradients**: every parameter's ``.grad``, and each of ``inputs``' ``.grad``, as the same
-  tensor object (or ``None``); an in-place write to an existing one is reported as above.
-* **Random generators**: torch's CPU generator, CUDA's (when initialised on entry; when the body
-  initialised CUDA, its generators are reseeded with their initial seed, as fresh ones), Python's
-  ``random`` and NumPy's global generator (when NumPy is imported).
-
-* **Attributes**: every other entry of each module's ``__dict__`` (its plain Python
-  attributes), as the same objects: an attribute a forward added is removed, one it rebound (a
-  step counter ``self.step += 1``, a cached tensor, a flag saying hooks were installed, as
-  transformers sets with the hooks it adds on a first forward) gets its object back, together
-  with the hook dictionaries it describes. Shallow: an object changed in place (a list appended
-  to, an attribute of a config object) stays changed.
+Beyond that list: the module dictionaries (the non-persistent buffer names too) are refilled in
+place, so hook handles stay valid. Buffers and parameters keep their strides, device and class
+too. Buffers are copied on entry (they cost their size once more while the body runs) and put
+back also after writes through kernels that do not bump the version counter (batch_norm's
+statistics). An in-place write to an existing ``.grad`` is reported by the same
+``RuntimeWarning`` as one to a parameter; writes through ``p.data`` do not move the version
+counter and go unseen. When the body initialised CUDA, its generators are reseeded with their
+initial seed, as fresh ones.
 
 Not put back: objects outside the modules, torch's global module hooks, other accelerators'
-generators. Left as the body made them: a lazy module (``nn.LazyLinear``) not initialised on
-entry stays initialised; the parameter slots, parameters and attributes of modules managed by
-FSDP (``fully_shard``, ``FullyShardedDataParallel``), which swaps them between sharded and
-unsharded forms itself.
-
-When putting one part back fails, every other part is still put back; then :class:`RestoreError`
-names each part that failed, chained to the body's exception when the body raised.
+generators. Left as the body made them: the parameter slots, parameters and attributes of
+modules managed by FSDP (``fully_shard``, ``FullyShardedDataParallel``), which swaps them
+between sharded and unsharded forms itself.
 """
 
 from __future__ import annotations
@@ -80,7 +57,7 @@ class RestoreError(RuntimeError):
 
 @contextlib.contextmanager
 def preserved(model: nn.Module, inputs: Sequence[torch.Tensor] = ()) -> Iterator[None]:
-    """Run the body, then put ``model`` back as it was on entry (the module docstring lists
+    """Run the body, then put ``model`` back as it was on entry (the module docstring says
     what that covers), also when the body raises; the ``.grad`` of each of ``inputs`` too.
 
     Raises:

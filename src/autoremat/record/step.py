@@ -27,7 +27,6 @@ __all__ = [
     "Step",
     "StepHow",
     "autocast_for",
-    "autocast_spec",
     "check_loss",
     "default_loss",
     "leaf_inputs",
@@ -139,16 +138,17 @@ def _region(device_type: str, dtype: torch.dtype) -> Iterator[None]:
         torch.clear_autocast_cache()
 
 
-def autocast_spec(value: Any, model: nn.Module) -> Autocast | None:
-    """``autocast=`` as every function takes it, made ``(device_type, dtype)``: ``None``; a
-    dtype (``torch.bfloat16``: the autocast of the model's device, ``cuda`` for a model on
-    ``meta``); or ``(device_type, dtype)`` as it is.
+def step_autocast(value: Any, model: nn.Module) -> Autocast | None:
+    """``autocast=`` as every function takes it, made ``(device_type, dtype)``: a dtype
+    (``torch.bfloat16``: the autocast of the model's device, ``cuda`` for a model on ``meta``);
+    ``(device_type, dtype)`` as it is; ``None``: the region the caller runs in (``cuda``
+    first, then ``cpu``), else ``None``. Every step autoremat runs, profiled or measured, runs
+    inside :func:`no_ambient_autocast` with forward and loss under that autocast and backward
+    outside, so a budget means the same inside a caller's region as with ``autocast=``.
 
     Raises:
         TypeError: anything else (the message gives the forms).
     """
-    if value is None:
-        return None
     if isinstance(value, torch.dtype):
         device = model_device(model).type
         return ("cuda" if device == "meta" else device, value)
@@ -159,22 +159,15 @@ def autocast_spec(value: Any, model: nn.Module) -> Autocast | None:
         and isinstance(value[1], torch.dtype)
     ):
         return value
-    raise TypeError(
-        f"autocast must be None, a dtype (torch.bfloat16) or (device_type, dtype) such as "
-        f"('cuda', torch.bfloat16); got {value!r}"
-    )
-
-
-def step_autocast(value: Any, model: nn.Module) -> Autocast | None:
-    """``autocast=`` as :func:`autocast_spec` makes it; when ``None``, the region the caller
-    runs in (``cuda`` first, then ``cpu``). Every step autoremat runs, profiled or measured, runs
-    inside :func:`no_ambient_autocast` with forward and loss under that autocast and backward
-    outside, so a budget means the same inside a caller's region as with ``autocast=``."""
-    found = autocast_spec(value, model)
+    if value is not None:
+        raise TypeError(
+            f"autocast must be None, a dtype (torch.bfloat16) or (device_type, dtype) such as "
+            f"('cuda', torch.bfloat16); got {value!r}"
+        )
     for device_type in ("cuda", "cpu"):  # (the caller's region: cuda first)
-        if found is None and torch.is_autocast_enabled(device_type):
-            found = device_type, torch.get_autocast_dtype(device_type)
-    return found
+        if torch.is_autocast_enabled(device_type):
+            return device_type, torch.get_autocast_dtype(device_type)
+    return None
 
 
 @contextlib.contextmanager
