@@ -22,14 +22,12 @@ from autoremat.record.recording import Recording
 from autoremat.record.tree import Node
 
 __all__ = [
-    "MAX_RUN",
     "Run",
     "Storages",
     "freed_bytes",
     "freers",
     "held_from",
     "kept_cost",
-    "lowest_common",
     "recompute_peak",
     "released",
     "runs",
@@ -57,7 +55,7 @@ class Run:
     cached: int = 0
 
 
-def lowest_common(rec: Recording, nodes: set[Node]) -> Node:
+def _lowest_common(rec: Recording, nodes: set[Node]) -> Node:
     """The lowest common ancestor of ``nodes``: the smallest subtree that holds them all."""
     lca = next(iter(nodes))
     while not all(rec.within(n, lca) for n in nodes):
@@ -97,7 +95,7 @@ def freers(rec: Recording) -> dict[int, list[Node]]:
     parent = rec.family[0]
     found: dict[int, list[Node]] = defaultdict(list)
     for key, (_, who) in rec.savers.items():
-        node: Node | None = lowest_common(rec, who)
+        node: Node | None = _lowest_common(rec, who)
         while node is not None:
             if key not in rec.input_keys[node]:
                 found[key].append(node)
@@ -105,9 +103,7 @@ def freers(rec: Recording) -> dict[int, list[Node]]:
     return found
 
 
-def released(
-    rec: Recording, ends: dict[Node, int]
-) -> dict[Node, list[tuple[int, int, int]]]:
+def released(rec: Recording, ends: dict[Node, int]) -> dict[Node, list[tuple[int, int, int]]]:
     """For each node, the storages saved for backward inside it that its forward no longer
     holds, part-way through, when the node is checkpointed: ``(point, storage, bytes)``.
 
@@ -126,7 +122,7 @@ def released(
     for key, (size, who) in rec.savers.items():
         if key in rec.cached_casts:  # autocast's cache keeps it until the forward ends
             continue
-        r: Node | None = lowest_common(rec, who)
+        r: Node | None = _lowest_common(rec, who)
         while r is not None and (key in rec.input_keys[r] or key in rec.output_keys[r]):
             r = parent[r]
         if r is None:

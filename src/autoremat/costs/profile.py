@@ -5,28 +5,18 @@ node on the step's memory timeline (:mod:`autoremat.costs.timeline`), derives th
 (:mod:`autoremat.costs.model`) and times the ops (:mod:`autoremat.record.timing`). Each cost is
 attributed to the innermost module of the tree that was running when it arose:
 
-* **saved**: bytes of the tensor storages that autograd saved for backward
-  (``torch.autograd.graph.saved_tensors_hooks``). Each storage counts once, for the module that
-  saved it first; storages that existed before the step (parameters, buffers, the example
-  inputs) do not count: they are not activations and recompute cannot free them.
-* **flops**: forward FLOPs, with the formulas of ``torch.utils.flop_counter`` (matmuls,
-  convolutions, attention; pointwise ops count zero there).
-* **written**: bytes of the new storages its forward's ops wrote (what a recompute writes
-  again; pointwise ops cost time for these bytes though they count no FLOPs).
-* **ways**: what recomputing the node selectively would free and cost, for each way of
-  :data:`autoremat.core.selective.WAYS` (a :class:`WayCost` each).
-* **seconds**: forward wall time; **op seconds**: the time of the forward's ops themselves,
-  which is what a recompute runs again (pointwise ops count here though they count no
-  FLOPs). Both are timed in separate forwards (:mod:`autoremat.record.timing`, which says how
-  they price recompute); on ``meta``, where nothing runs, estimated from FLOPs (op seconds:
-  and bytes written).
+* **saved**: bytes of storages autograd saved for backward, each for the first module to save it.
+* **flops**: forward FLOPs, as ``torch.utils.flop_counter`` counts them (pointwise ops: zero).
+* **written**: bytes of new storages its forward's ops wrote (what a recompute writes again).
+* **ways**: what each selective way would free and cost (a :class:`WayCost` each).
+* **seconds** / **op seconds**: forward time / its ops' own (what a recompute runs again).
 
-A node's figures are its own plus its children's, so they reconcile down the tree by
-construction. Nodes are calls: a module that runs several times in one forward (a shared
-layer, a loop over one block) has a node per call, ``path@k``, each with its own costs and
-place in the step, under the call that made it (whichever module that is). The model must
-not be wrapped (profile it before ``plan.apply``, or after ``autoremat.remove``): a
-checkpointed module saves nothing to see.
+Storages that existed before the step (parameters, buffers, the example inputs) do not count:
+recompute cannot free them. Times are taken in separate forwards (:mod:`autoremat.record.timing`;
+on ``meta``, where nothing runs, estimated from FLOPs, op seconds also from bytes written). A
+node's figures are its own plus its children's. Nodes are calls: a module that runs several
+times in one forward has a node per call, ``path@k``. The model must not be wrapped (profile it
+before ``plan.apply``, or after ``autoremat.remove``): a checkpointed module saves nothing to see.
 """
 
 from __future__ import annotations
@@ -56,15 +46,7 @@ from autoremat.record.step import Autocast, LossFn, Step, no_ambient_autocast, s
 from autoremat.record.timing import DEFAULT_OVERHEADS, overheads, time_forward
 from autoremat.record.tree import Node, build_tree
 
-__all__ = [
-    "COST_PER_BYTE",
-    "META_BYTES_PER_SECOND",
-    "META_FLOPS_PER_SECOND",
-    "NodeCost",
-    "Profile",
-    "WayCost",
-    "profile",
-]
+__all__ = ["COST_PER_BYTE", "META_FLOPS_PER_SECOND", "NodeCost", "Profile", "WayCost", "profile"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,23 +87,15 @@ class WayCost:
 class NodeCost:
     """Costs of one tree node, its subtree included (``own_*``: the node alone).
 
-    ``freed`` is what recomputing the node whole would free, negative when it costs
-    (:func:`~autoremat.costs.model.freed_bytes`); ``cached``, the part of it that stays live
-    until the forward ends whether or not the node is checkpointed (the same function): the
-    recompute frees ``freed - cached`` at the points of the forward after it, ``freed`` after
-    the forward. ``start`` and ``end`` place the node in the step (see :class:`Profile`).
-    ``recompute_peak`` is the most live bytes while a checkpoint of the node recomputes, 0 when
-    its backward never ran (:func:`~autoremat.costs.model.recompute_peak`).
-    ``runs`` is set for a plain ``nn.Sequential``: a :class:`~autoremat.costs.model.Run` for
-    each run ``[i:j)`` of two or more consecutive children, which can be recomputed as one.
-    ``written`` is the bytes of new storages its forward's ops wrote. ``held`` and
-    ``held_from`` say how many bytes more than the step without recompute are live *during*
-    the node's forward when it is checkpointed, at each point ``start < p <= end`` of its span:
-    ``held`` (the inputs the checkpoint holds from the start,
-    :func:`~autoremat.costs.inputs.charged_inputs`) plus the changes ``(q, bytes)`` of
-    ``held_from`` with ``q <= p`` (:func:`~autoremat.costs.model.held_from`).
-    ``ways`` has these figures for every selective way of :data:`autoremat.core.selective.WAYS`.
-    ``ops`` is the number of op calls of the node's forward and ``op_seconds`` their time.
+    ``start`` and ``end`` place the node in the step (:class:`Profile`). ``freed`` (negative
+    when recompute costs), ``cached``, ``held``, ``held_from``, ``recompute_peak`` and ``runs``
+    (a plain ``nn.Sequential``'s :class:`~autoremat.costs.model.Run` of two or more children)
+    are the walk's terms: docs/cost-model.md, "The walk", and :mod:`autoremat.costs.model`
+    (``recompute_peak`` is 0 when the node's backward never ran). Checkpointed, the node holds
+    ``held`` plus the changes ``(q, bytes)`` of ``held_from`` with ``q <= p`` at each point
+    ``start < p <= end`` of its forward. ``ways`` has these figures for every selective way.
+    ``written``: bytes of new storages its forward's ops wrote; ``ops``: its forward's op
+    calls, ``op_seconds`` their time.
     """
 
     path: str
@@ -160,24 +134,16 @@ class Profile:
     """The calls of a model's modules in one step, with a :class:`NodeCost` for each
     (``profile[path]``).
 
-    ``tree`` is the tree of calls: one node per call of a module, its children the calls made
-    while it ran, in order. A module that ran once is one node named by its path; one that ran
-    several times (a shared layer, a cell stepped in a loop) has a node per call, ``path@k``
-    (``calls_of(path)`` lists them), each placed, priced and chosen on its own.
-    ``module_tree`` is the module tree (:func:`autoremat.record.tree.build_tree`).
-
-    The memory timeline of the step, for the budget planner (a node's ``start`` and ``end``,
-    and the *points* ``(p, bytes)``: :mod:`autoremat.costs.timeline`): ``forward_points`` are
-    the moments of the forward pass (up to the loss), ``backward_points`` those after it, and
-    :attr:`points` both (the most at each ``p``).
-    ``peak`` is the step's peak, as :func:`autoremat.measure` defines it. ``device`` is the
-    type of the device the step ran on (``"cpu"``, ``"cuda"``), or ``"meta"``, where nothing
-    runs and times are estimated from FLOPs and bytes. ``op_overhead`` and
-    ``selective_op_overhead`` are the seconds a recompute adds per op beyond the op itself,
-    plain and selective (:func:`~autoremat.record.timing.overheads`).
-    ``step``: the step it recorded (the model, its inputs, loss and autocast), which a plan
-    made from it runs again to state its peak (:mod:`autoremat.planning.rehearsal`); ``None``
-    for a profile that no step made (scaled from others).
+    ``tree``: one node per call of a module (``path@k`` for a module that ran several times:
+    :meth:`calls_of`), its children the calls made while it ran; ``module_tree``: the module
+    tree (:func:`autoremat.record.tree.build_tree`). ``forward_points`` and
+    ``backward_points``: the step's points ``(p, bytes)`` in and after the forward, both in
+    :attr:`points` (:mod:`autoremat.costs.timeline`). ``peak``: the step's peak, as
+    :func:`autoremat.measure` defines it, on ``device`` (``"cpu"``, ``"cuda"``, or ``"meta"``:
+    times estimated). ``op_overhead`` and ``selective_op_overhead``: the seconds a recompute
+    adds per op (:func:`~autoremat.record.timing.overheads`). ``step``: the step it recorded,
+    which plans made from it run again (:mod:`autoremat.planning.rehearsal`); ``None`` for a
+    profile scaled from others.
     """
 
     tree: Node
@@ -256,25 +222,16 @@ def profile(
 ) -> Profile:
     """Per-node costs of ``model`` on the example inputs (see the module docstring).
 
-    Hugging Face models train without their key/value cache here, as every applied plan
-    makes them (:mod:`autoremat.core.huggingface`); with ``hf_cache`` they fill it, as the model
-    does in training with no plan applied. A model's own activation checkpointing (switched on
-    in transformers, diffusers or timm) is off for the profile, as every applied plan turns it
-    off (:mod:`autoremat.core.own_checkpointing`; one warning says so). LayerDrop is off:
-    every layer runs, the most a step holds (:mod:`autoremat.core.layerdrop`).
-
-    With ``autocast`` (a dtype, or ``(device_type, dtype)`` such as ``("cuda",
-    torch.bfloat16)``) the step's forward and loss run under ``torch.autocast``, and on ``meta``
-    under :class:`~autoremat.record.autocast_meta.MetaAutocast`, which makes autocast's casts there.
-    Called inside an autocast region, it profiles under that autocast the same way (forward and
-    loss only: the region's cast cache would otherwise hide the step's casts).
-
-    Runs one training step (forward, ``loss_fn`` on the output, backward; ``loss_fn`` defaults to
-    :func:`autoremat.record.step.default_loss`, and its forward costs go to the root) from gradients
-    ``None``, under :class:`~autoremat.record.memory.LiveMemory`, then, on real tensors, two more
-    forwards for timing (not with ``timed=False``: times are then estimated from FLOPs and bytes,
-    as on ``meta``). The model is left as it was found
-    (:func:`autoremat.record.snapshot.preserved`). Shows a progress line on a terminal.
+    Runs one training step (forward, ``loss_fn`` on the output, backward; ``loss_fn`` defaults
+    to :func:`autoremat.record.step.default_loss`, its forward costs going to the root) from
+    gradients ``None``, under :class:`~autoremat.record.memory.LiveMemory`, then, on real
+    tensors, two more forwards for timing (not with ``timed=False``: times are then estimated
+    as on ``meta``). As every applied plan does, it runs without a Hugging Face model's
+    key/value cache (with it under ``hf_cache``) and the model's own checkpointing (one warning
+    says so); LayerDrop is off (every layer runs). ``autocast`` (a dtype, or ``(device_type,
+    dtype)``; by default an enclosing autocast region's): forward and loss under it
+    (docs/guide.md). The model is left as found (:func:`autoremat.record.snapshot.preserved`).
+    Shows a progress line on a terminal.
 
     Raises:
         ValueError: the model has modules wrapped by autoremat (remove them first), or the

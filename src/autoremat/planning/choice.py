@@ -12,7 +12,6 @@ __all__ = ["OBJECTIVES", "Choice"]
 OBJECTIVES = ("time", "flops")
 
 
-
 @dataclass(frozen=True)
 class Choice:
     """One chosen entry of a budget plan: bytes its recompute frees, FLOPs and seconds (as

@@ -1,10 +1,7 @@
 """A budget plan that holds under ``torch.compile``: each plan's step run compiled.
 
-The walk prices the eager step. A compiled step keeps what each recomputed region's policy
-says (its ``tag_activation_checkpoint`` regions), but the partitioner chooses what to save
-outside them and inductor orders the backward's kernels itself: measured on the benchmark zoo
-(``docs/benchmarks.md``, "Under torch.compile"), 0.74-0.98x the eager figure at 75% and 50%
-budgets, 12-28% above it at the lowest. So :func:`compiled_plan` (``plan(..., compile=...)``)
+The walk prices the eager step, and a compiled step peaks elsewhere (docs/guide.md, "The
+budget under compile", has the figures), so :func:`compiled_plan` (``plan(..., compile=...)``)
 runs each plan's step compiled instead of rehearsed eagerly.
 """
 
@@ -44,11 +41,9 @@ def compiled_peak(
     """The allocator's peak (bytes above the start) of one training step of ``model`` with
     ``chosen``'s entries applied and compiled by ``torch.compile(backend=backend)``, measured
     after a warm-up step (:func:`autoremat.measure` of a compiled model), with
-    ``torch._inductor.config`` patched by ``inductor_config`` meanwhile (compile-time options
-    change what the compiled step keeps: ``fallback_random`` moves ViT's peak by about 2 MiB of
-    32). The model is left as found: unwrapped, its state restored
-    (:func:`autoremat.record.snapshot.preserved`); dynamo keeps the graphs it compiled for the
-    wrapped classes (they match nothing once unwrapped).
+    ``torch._inductor.config`` patched by ``inductor_config`` meanwhile. The model is left as
+    found: unwrapped, its state restored (:func:`autoremat.record.snapshot.preserved`); dynamo
+    keeps the graphs it compiled for the wrapped classes (they match nothing once unwrapped).
 
     Raises:
         ValueError: the entries do not fit ``model`` (see :func:`autoremat.wrap.apply`).
@@ -105,14 +100,11 @@ def compiled_plan(
     objective: str = "time",
     inductor_config: dict[str, Any] | None = None,
 ) -> Plan:
-    """``autoremat.plan(..., budget=..., compile=backend)``: every plan the search tries
-    compiled with ``backend`` and one warm step measured by the allocator (:func:`compiled_peak`;
-    each a cold compile, seconds to a minute on a CPU, and three training steps): the plan returned
-    peaks
-    within the budget compiled, its ``compiled_peak`` (and ``estimated_peak``) that figure.
-
-    Then apply the plan and ``torch.compile(model, backend=backend)`` with the inductor
-    settings ``inductor_config`` gives: the budget holds for the configuration measured.
+    """``autoremat.plan(..., budget=..., compile=backend)``: every plan the search tries is
+    compiled with ``backend`` and one warm step measured by the allocator (:func:`compiled_peak`,
+    a cold compile each); the plan returned peaks within the budget compiled, its
+    ``compiled_peak`` (and ``estimated_peak``) that figure. The budget holds for the
+    configuration measured: ``torch.compile(model, backend=backend)`` with ``inductor_config``.
 
     Raises:
         BudgetTooLow: no plan the search tried peaks within ``budget`` compiled; ``lowest`` is

@@ -1,8 +1,6 @@
-"""Making a plan of the activations: :func:`activation_plan` checks what it was asked (a
-budget of the step's activation peak, or the levels' count), runs the model once for what the
-chosen strategy needs, and lets the strategy choose; :func:`lowest_budget` says the least a
-budget may be. :func:`autoremat.plan` (:mod:`autoremat.training.plan`) calls it for a budget
-or segments."""
+"""Making a plan of the activations (:func:`autoremat.plan` calls it for a budget or segments):
+:func:`activation_plan` checks the request, runs the model once for what the chosen strategy
+needs and lets it choose; :func:`lowest_budget` says the least a budget may be."""
 
 from __future__ import annotations
 
@@ -52,26 +50,12 @@ def activation_plan(
     objective: str = "time",
     autocast: Any = None,
 ) -> Plan:
-    """Choose the modules of ``model`` to recompute.
-
-    With ``segments`` (default 3 when no budget is given), the levels strategy of the method
-    (claims 2-3, :func:`autoremat.planning.strategies.levels.choose_levels`).
-
-    With ``budget``, the budget strategy (:mod:`autoremat.planning.strategies.budget` says
-    how): from a profile of one training step (``loss_fn`` as in :func:`autoremat.measure`),
-    the modules, anywhere in the tree and never one inside another, whose recompute costs
-    least while the step's peak stays within the budget. ``budget`` is bytes (int), a fraction
-    of the no-recompute peak (float, ``0 < f <= 1``), a percentage (``"50%"``) or a size string
-    (``"800MB"``, ``"6GiB"``); at or above the no-recompute peak, the plan is empty. With
-    ``selective`` (the default) a chosen module may be recomputed selectively
-    (:mod:`autoremat.core.selective`). ``objective``, the cost: ``"time"`` (the default) or
-    ``"flops"`` (the same plan on every machine), priced as
-    :func:`~autoremat.planning.planning_tree.planning_tree` says.
-
-    ``autocast`` (a dtype, or ``(device_type, dtype)``; or called inside an autocast region):
-    the budget strategy profiles forward and loss under it (:func:`autoremat.profile`). Both
-    run the model on the example inputs and leave it as they found it; what the strategy has
-    to say is in :attr:`Plan.warnings` (:func:`autoremat.plan` logs it).
+    """Choose the modules of ``model`` to recompute, as :func:`autoremat.plan` says for
+    ``segments`` (default 3 when no budget is given: the levels strategy,
+    :func:`~autoremat.planning.strategies.levels.choose_levels`) and ``budget`` (the budget
+    strategy, :mod:`autoremat.planning.strategies.budget`, from a profile of one training step),
+    the other keywords as it takes them. The model is left as found; what the strategy has to
+    say is in :attr:`Plan.warnings`.
 
     Raises:
         ValueError: ``segments`` negative; a malformed or
@@ -119,24 +103,20 @@ def _evidence(
     model runs eagerly meanwhile (:mod:`autoremat.record.compiled`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if strategy.needs == "profile":
-        with running_eagerly(model):
-            prof = profile(model, args, kwargs, loss_fn=request.loss_fn, autocast=request.autocast)
-        assert prof.module_tree is not None, "profile() sets it"
-        _require_submodules(model, prof.module_tree)
-        return prof, prof.module_tree
+    found: Any
     with running_eagerly(model):
-        tree = build_tree(model, args, kwargs)
-    _require_submodules(model, tree)
-    return tree, tree
-
-
-def _require_submodules(model: nn.Module, tree: Node) -> None:
+        if strategy.needs == "profile":
+            found = profile(model, args, kwargs, loss_fn=request.loss_fn, autocast=request.autocast)
+            tree = found.module_tree
+        else:
+            found = tree = build_tree(model, args, kwargs)
+    assert tree is not None, "profile() sets it"
     if tree.is_leaf:
         raise ValueError(
             f"{type(model).__name__} has no submodules that ran on the example inputs: there "
             f"is nothing to recompute; wrap it in a model with submodules, or check the inputs"
         )
+    return found, tree
 
 
 def plan_from_profile(
@@ -175,11 +155,7 @@ def planned(
     Raises:
         BudgetTooLow: none does (or ``too_low()``, when given).
     """
-    found = planner.cheapest(limit, judge)
-    if found is None:
-        raise (too_low or (lambda: planner.too_low(limit)))()
-    chosen, peak = found
-    return _made(model, "budget", planner.prof.module_tree, planner.fields(chosen, limit, peak))
+    return _made(model, "budget", planner.prof.module_tree, planner.fields(limit, judge, too_low))
 
 
 def profile_lowest(
@@ -219,4 +195,4 @@ def lowest_budget(
     request = Request(type(model).__name__, None, 1, loss_fn, selective, objective, autocast)
     request = budget_strategy.STRATEGY.check(request)
     prof, _ = _evidence(budget_strategy.STRATEGY, model, args, kwargs, request)
-    return profile_lowest(prof, selective=selective, objective=objective)
+    return budget_strategy.Planner(prof, request).lowest()[1]

@@ -1,37 +1,18 @@
 """Reading a plan back from JSON: every field validated, the wrong one named.
 
 :func:`fields_from_dict` turns what :meth:`autoremat.Plan.to_dict` wrote into the fields of
-a :class:`~autoremat.planning.plans.Plan` (``Plan(**fields)``), or raises ``ValueError`` naming
-the field that is missing or wrong; :func:`fields_from_json` and :func:`fields_from_file` (what
-:meth:`autoremat.Plan.from_json` and :meth:`autoremat.Plan.load` call) read the text
-first. Plans saved before ways had their name (a choice's ``"mode"``), and before per-entry
-ops (a ``selective`` list with one ``save_ops``), still load.
+a :class:`~autoremat.planning.plans.Plan` (``Plan(**fields)``); :func:`fields_from_json` and
+:func:`fields_from_file` (behind ``Plan.from_json`` and ``Plan.load``) read the text first.
+Plans saved before ways had their name (a choice's ``"mode"``), before per-entry ops (a
+``selective`` list with one ``save_ops``), and without ``left_out`` or ``parameter_bytes``,
+still load.
 
-What is checked, so that a file from elsewhere can do no more than fail to load:
-
-* the text: at most :data:`MAX_PLAN_BYTES` bytes, nested at most :data:`MAX_JSON_DEPTH` levels,
-  with at most one array or object per :data:`MIN_CONTAINER_CHARS` characters (both checked
-  before parsing), strict JSON (no ``NaN`` or ``Infinity``);
-* the ``fingerprint``: present (a plan without one would apply to any model) and the hash of
-  the plan's ``structure``, so that :meth:`autoremat.Plan.apply` refuses any model of
-  another structure;
-* every entry of ``modules``: a module of that structure, a call ``path@k`` of one, or a run
-  ``path[i:j]`` with ``i < j <= `` the number of children there (arithmetic: a run is never
-  expanded), and none inside another (:func:`autoremat.core.entries.first_nested`);
-* ``calls`` (the calls a module named by call entries made when the plan was made): modules
-  of that structure, each a count in ``[1, 2**63)`` above the index of every call entry of the
-  module, and one for every module a call entry names;
-* each field's type and range (counts are integers in ``[0, 2**63)``, seconds finite numbers
-  >= 0); every choice among ``modules``, a selective one with its ops in ``selective``;
-* ``left_out`` (the modules the strategy left out, with their reasons): modules of that
-  structure, each reason a string of at most :data:`MAX_REASON_CHARS` characters; a file
-  without it (saved before it existed) loads with none;
-* ``parameter_bytes``: a count, ``null`` or absent (files saved before it was kept);
-* every op name's form and namespace, without looking it up in ``torch.ops`` (which would
-  create a namespace for any name): :func:`autoremat.core.selective.check_names` with ``strict``.
-
-Time and memory are linear in the size of the text (plus sorts). Anything wrong raises
-``ValueError``, never another error.
+docs/guide.md ("Plans persist") lists what is checked, so that a file from elsewhere can do no
+more than fail to load; also ``calls`` (modules of the plan's structure, each a count in
+``[1, 2**63)`` above the index of every call entry of the module, one for every module a call
+entry names) and ``left_out`` (modules of that structure, each reason a string of at most
+:data:`MAX_REASON_CHARS` characters). Time and memory are linear in the size of the text (plus
+sorts). Anything wrong raises ``ValueError``, never another error.
 """
 
 from __future__ import annotations
@@ -51,11 +32,8 @@ from autoremat.planning.fingerprint import structure_fingerprint
 
 __all__ = [
     "FORMAT",
-    "MAX_COUNT",
     "MAX_JSON_DEPTH",
     "MAX_PLAN_BYTES",
-    "MAX_REASON_CHARS",
-    "MIN_CONTAINER_CHARS",
     "fields_from_dict",
     "fields_from_file",
     "fields_from_json",
@@ -155,10 +133,10 @@ def _no_constant(name: str) -> Any:
 
 def _shape_refusal(text: str) -> str | None:
     """Why ``text`` is no plan, seen before parsing it, or ``None``: its nesting, or its count
-    of arrays and objects (the module docstring's first check), or brackets that do not match.
-    All but brackets is dropped, then the innermost pairs, :data:`MAX_JSON_DEPTH` times: linear,
-    never recursive. Text that is not JSON may pass (``json.loads`` refuses it next), but no
-    JSON nested too deep does."""
+    of arrays and objects (at most one per :data:`MIN_CONTAINER_CHARS` characters), or brackets
+    that do not match. All but brackets is dropped, then the innermost pairs,
+    :data:`MAX_JSON_DEPTH` times: linear, never recursive. Text that is not JSON may pass
+    (``json.loads`` refuses it next), but no JSON nested too deep does."""
     brackets = _outside_brackets(text)
     containers = brackets.count(b"[")
     for _ in range(MAX_JSON_DEPTH):

@@ -44,9 +44,8 @@ def planning_tree(
     a checkpoint keeps from its forward to the end of its backward, and its recompute once
     more while it runs (on the CPU, :class:`~autoremat.record.memory.LiveMemory` counts
     them): held in each node's span, less freed, twice at its recompute."""
-    builder = _Builder(prof, selective, objective, {} if skipped is None else skipped)
-    builder.rng = rng_state
-    return builder.build(prof.tree)
+    skipped = {} if skipped is None else skipped
+    return _Builder(prof, selective, objective, skipped, rng_state).build(prof.tree)
 
 
 def recompute_seconds(prof: Profile, item: Item) -> float:
@@ -75,10 +74,11 @@ def _buffer_bytes(module: nn.Module) -> int:
 
 
 class _Builder:
-    def __init__(self, prof: Profile, selective: bool, objective: str, skipped: dict[str, str]):
+    def __init__(
+        self, prof: Profile, selective: bool, objective: str, skipped: dict[str, str], rng: int
+    ):
         self.prof, self.selective, self.objective = prof, selective, objective
-        self.skipped = skipped
-        self.rng = 0  # the RNG state's bytes a checkpoint keeps
+        self.skipped, self.rng = skipped, rng  # (rng: the RNG state's bytes a checkpoint keeps)
 
     def peak(self, recompute_peak: int, buffers: int) -> int:
         """A recompute's peak with the buffers the wrap copies and its two RNG states (none

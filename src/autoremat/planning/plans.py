@@ -43,32 +43,17 @@ logger = logging.getLogger(__name__)
 class Plan:
     """Which modules of a model to recompute in backward, and how they were chosen.
 
-    ``modules`` are plan entries: qualified names as in ``model.named_modules()`` (``""`` is the
-    model itself), calls ``path@k`` or runs ``path[i:j]``, never one inside another; those also
-    in ``selective`` are recomputed selectively: ``selective`` maps each to the ops whose
-    outputs it keeps (:mod:`autoremat.core.selective`). A budget plan also predicts the step peak
-    with and without it (bytes, as :func:`autoremat.measure` defines ``peak``), and the FLOPs
-    and seconds its recomputes add (seconds as profiled: the recomputed ops' time plus
-    checkpoint's per-op overheads); its ``objective`` is what it minimised (``"time"`` or
-    ``"flops"``). ``compiled_peak``: the allocator's peak measured under ``torch.compile``
-    (``autoremat.plan(..., compile=...)``), else ``None``. ``left_out`` maps each module the
-    strategy would have considered but left out to the reason (it cannot be recomputed exactly
-    or at all: Python state its forward changes, an input changed in place, TorchScript): for a
-    budget plan those that would have freed memory, for a levels plan those the walk met; empty
-    when none. ``calls`` maps each module named by call entries (``path@k``: only the ``k``-th
-    call of a module that runs several times in one forward, :mod:`autoremat.wrap.calls`) to the
-    number of calls the plan was made for; a step with another number warns. ``warnings``:
-    what its strategy had to say, by kind (``"left_out"``: modules left out; ``"near_lowest"``:
-    a budget close to the lowest peak any plan reaches), logged by :func:`autoremat.plan`; not
-    saved. ``device``: the type of the device a budget plan's profile ran on (``"cpu"``,
-    ``"cuda"``, ``"meta"``), for which its summary lists the ops kept; not saved.
-    ``estimated_by``: how ``estimated_peak`` was found (the plan's step run ``"on fake
-    tensors"``, ``"on meta"``, or as a real step, with why: :mod:`autoremat.planning.rehearsal`);
-    not saved. ``parameter_bytes``: the bytes of the parameters of the model it was made for
-    (``None`` in files saved before it was kept): :meth:`apply` warns on a model of the same
-    structure with other bytes (built wider, or cast), whose memory the plan's figures are not.
-    ``print(plan)``
-    shows the choice, what was left out and the tree with the chosen modules marked ``*``.
+    ``modules`` are entries (qualified names as in ``named_modules()``, ``""`` the model itself;
+    calls ``path@k``; runs ``path[i:j]``), never one inside another; ``selective`` maps those
+    recomputed selectively to the ops whose outputs they keep (:mod:`autoremat.core.selective`),
+    ``calls`` each module named by call entries to the calls it was planned for (a step with
+    another number warns). A budget plan predicts the step's peak with it (``estimated_peak``,
+    found as ``estimated_by`` says) and without, and the FLOPs and seconds its recomputes add,
+    minimising ``objective``; ``compiled_peak`` is measured under ``torch.compile``.
+    ``left_out``: the modules left out, with reasons. ``warnings``, ``device`` and
+    ``estimated_by`` are not saved. :meth:`apply` warns on a model whose parameters hold other
+    bytes than ``parameter_bytes``. docs/guide.md lists every field; ``print(plan)`` shows the
+    choice, what was left out and the tree with the chosen modules marked ``*``.
     """
 
     modules: tuple[str, ...]
@@ -178,19 +163,16 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
-        """The plan :meth:`to_dict` gave, validated as :meth:`load` validates a file (so a
-        plan without a ``fingerprint`` is refused).
+        """The plan :meth:`to_dict` gave, validated as :meth:`load` validates a file.
 
         Raises:
-            ValueError: a field is missing or wrong; the message names it
-                (:func:`autoremat.planning.plan_json.fields_from_dict`).
+            ValueError: as :meth:`load`.
         """
         return cls(**fields_from_dict(data))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """The plan in ``text``, what :meth:`save` wrote, validated as :meth:`load` validates
-        a file (:func:`autoremat.planning.plan_json.fields_from_json`).
+        """The plan in ``text`` (what :meth:`save` wrote), validated as :meth:`load` validates.
 
         Raises:
             ValueError: as :meth:`load`.
@@ -206,11 +188,9 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         """Read a plan :meth:`save` wrote. :meth:`apply` then refuses a model whose module
-        structure changed since the plan was made.
-
-        The file is read and checked in time and memory linear in its size, and at most
-        :data:`autoremat.planning.plan_json.MAX_PLAN_BYTES` (8 MiB) of it; nothing is looked up or
-        created in ``torch.ops``. See :mod:`autoremat.planning.plan_json` for what is checked.
+        structure changed since the plan was made. At most 8 MiB (``MAX_PLAN_BYTES``) is read,
+        checked in linear time and memory; nothing is looked up or created in ``torch.ops``
+        (:mod:`autoremat.planning.plan_json` lists the checks).
 
         Raises:
             ValueError: the file is too large, not JSON, nested too deep, or not a plan of
@@ -337,12 +317,6 @@ def _grouped(choices: Sequence[Choice], calls: dict[str, int]) -> list[Choice]:
     return rows
 
 
-def _uncalled(entry: str) -> str:
-    """A call entry's module path; any other entry as it is."""
-    call = parse_call(entry)
-    return entry if call is None else call[0]
-
-
 def _missing(entries: Sequence[str], paths: Sequence[str]) -> tuple[list[str], int]:
     """The first (sorted) few of the module paths ``entries`` cover (:func:`covered`) that are
     not among ``paths``, and how many there are in all. Runs are not expanded: the children
@@ -357,7 +331,8 @@ def _missing(entries: Sequence[str], paths: Sequence[str]) -> tuple[list[str], i
         found.sort()
     shown: list[str] = []
     count = 0
-    for entry in dict.fromkeys(map(_uncalled, entries)):
+    # each entry once, a call entry as its module's path
+    for entry in dict.fromkeys(e if (c := parse_call(e)) is None else c[0] for e in entries):
         run = parse_run(entry)
         if run is None:
             if entry not in have:

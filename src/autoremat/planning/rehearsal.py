@@ -4,26 +4,9 @@
 (:class:`~autoremat.record.memory.LiveMemory`): PyTorch's own checkpoint, the selective
 policy's cache, autocast's cast cache, the RNG states checkpoint keeps (on the CPU) and every
 tensor the step makes count as they will on the device, because they run.
-:attr:`autoremat.Plan.estimated_peak` is this figure. How the step runs (:data:`WAYS`,
-:func:`way_for`):
-
-* ``"meta"``: a model on ``meta``: a copy of it (``meta`` parameters, no memory) on the
-  ``meta`` inputs;
-* ``"fake"``: a shadow whose parameters and buffers are fake tensors of the same shapes
-  (``FakeTensorMode``: no memory, no values), on fake copies of the inputs; PyTorch's fake
-  kernels for the CPU's layer and batch norms under mixed precision give their statistics
-  in the input's dtype where the real kernels give float32: corrected
-  (:class:`CpuStatistics`); and Hugging Face's mask code, which reads the padding mask's
-  values to decide whether to make an attention mask, is given the answers it reached on the
-  profiled step (:func:`~autoremat.core.huggingface.mask_answers`);
-* ``"real"``: the model itself on its device, the plan applied and removed, the model left as
-  found: where that is quicker (:func:`way_for`), and for a step fake tensors cannot run (it
-  reads values: ``.item()``, ``nonzero`` routing; :attr:`Rehearsal.how` says so);
-* ``"allocator"``: the real step counted by the CPU allocator (kernels' scratch included).
-
-The model's own step (``peak(None)``: no plan applied) runs as the model would train: a
-Hugging Face model fills its key/value cache, a model that checkpoints itself does so. A plan,
-even an empty one, turns both off, as :meth:`autoremat.Plan.apply` does.
+:attr:`autoremat.Plan.estimated_peak` is this figure. The four ways the step runs
+(:data:`WAYS`: ``"meta"``, ``"fake"``, ``"real"``, ``"allocator"``; :func:`way_for` chooses),
+and the model's own step (``peak(None)``), are in docs/cost-model.md, "Running a plan's step".
 """
 
 from __future__ import annotations
@@ -56,13 +39,13 @@ from autoremat.wrap.checkpointed import wrapped_paths
 from autoremat.wrap.wrapping import apply, remove
 
 __all__ = [
-    "REAL_SECONDS_PER_OP",
     "WAYS",
     "CannotRun",
     "CpuStatistics",
     "PlanFields",
     "Rehearsal",
     "Watch",
+    "quiet",
     "rehearsal_for",
     "way_for",
 ]
@@ -88,7 +71,7 @@ class PlanFields:
         )
 
 
-# How a rehearsal runs the step (module docstring).
+# How a rehearsal runs the step (docs/cost-model.md).
 WAYS = ("meta", "fake", "real", "allocator")
 # A step on the CPU is run for real when its forward's ops took less than this each, as the
 # profile timed them: a step on fake tensors costs about 1.8 ms per forward op (forward,
@@ -109,7 +92,7 @@ class CannotRun(ValueError):
 
 
 class Rehearsal:
-    """Runs planned steps of ``step`` (module docstring) the ``way`` given (one of
+    """Runs planned steps of ``step`` (docs/cost-model.md) the ``way`` given (one of
     :data:`WAYS`), each plan once (remembered). ``device``: where the step will train, for how
     it is counted (:meth:`LiveMemory.counting_as`; by default the step's own device; give the
     target's for a model on ``meta``)."""
@@ -118,7 +101,8 @@ class Rehearsal:
         if way not in WAYS:
             raise ValueError(f"way must be one of {WAYS}, got {way!r}")
         self.step, self.way = step, way
-        self.where = _device_of(step)
+        found = [*step.model.parameters(), *(t for _, t in iter_tensors((step.args, step.kwargs)))]
+        self.where = found[0].device if found else torch.device("cpu")  # (the step's device)
         self.counted_as = self.where if device is None else torch.device(device)
         self.seen: dict[tuple[Any, ...], int] = {}
         self.eager = True  # (the step the profile ran: an empty plan's peak is the profile's)
@@ -176,13 +160,13 @@ class Rehearsal:
         answers = list(self.step.mask_answers)
         with (
             mask_answers(answers, replay=True),
-            _quiet(),
+            quiet(),
             mode or contextlib.nullcontext(),
             ordinary_positions_on_meta(),
             fixes,
             _applied(shadow, plan),
             LiveMemory.counting_as(self.counted_as, trace=watch is not None) as tracked,
-            _watching(watch, shadow, tracked),
+            contextlib.nullcontext() if watch is None else watch(shadow, tracked),
         ):
             train_step(shadow, args, kwargs, self.step.loss_fn, autocast=self._autocast())
         return tracked
@@ -221,11 +205,11 @@ class Rehearsal:
         with (
             preserved(model, leaf_inputs(args, kwargs)),
             running_eagerly(model),
-            _quiet(),
+            quiet(),
             no_ambient_autocast(),
             _applied(model, plan),
             tracker as tracked,
-            _watching(watch, model, tracked),
+            contextlib.nullcontext() if watch is None else watch(model, tracked),
         ):
             train_step(model, args, kwargs, self.step.loss_fn, autocast=self.step.autocast)
         return tracked
@@ -275,16 +259,6 @@ def _mixed(x: Any, weight: Any) -> bool:
     )
 
 
-def _watching(watch: Watch | None, model: nn.Module, tracked: Any) -> Any:
-    """``watch``'s context for a step of ``model`` counted by ``tracked`` (none without)."""
-    return contextlib.nullcontext() if watch is None else watch(model, tracked)
-
-
-def _device_of(step: Step) -> torch.device:
-    tensors = [*step.model.parameters(), *(t for _, t in iter_tensors((step.args, step.kwargs)))]
-    return tensors[0].device if tensors else torch.device("cpu")
-
-
 def _fake(value: Any) -> Any:
     """A fake copy of an input tensor (inside the fake mode), leaves requiring grad kept so."""
     if not isinstance(value, torch.Tensor):
@@ -322,7 +296,7 @@ def _applied(model: nn.Module, plan: PlanFields | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """The notes a planned step gives (Hugging Face's ``use_cache`` note, the wrap's note on a
     model's own checkpointing, warnings about fake tensors) kept off the user's screen:
     :func:`autoremat.plan` says what matters."""
@@ -373,7 +347,7 @@ def way_for(prof: Profile) -> str:
     CUDA (its kernels cost less than fake tensors' bookkeeping, and the profile ran it at this
     size already) and on a CPU when its forward's ops are quick
     (:data:`REAL_SECONDS_PER_OP`); on fake tensors otherwise. Both give the same bytes but
-    where fake tensors cannot know a value (module docstring)."""
+    where fake tensors cannot know a value (docs/cost-model.md)."""
     if prof.device == "meta":
         return "meta"
     root = prof[prof.tree.path]

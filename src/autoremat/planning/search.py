@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autoremat.core.collector import frozen
 from autoremat.planning.solver import Infeasible, Item, min_peak, solve, walk_peak
@@ -50,27 +50,22 @@ class Walk:
     root: Item
     after: Sequence[tuple[int, int]]
     forward: Sequence[tuple[int, int]] = ()
+    _memo: dict[int, tuple[int, int]] = field(  # (what the solver finds once for every budget)
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
-    @functools.cached_property
-    def _memo(self) -> dict[int, tuple[int, int]]:
-        return {}  # (what the solver finds once for every budget)
-
-    def plan(self, limit: int) -> Chosen | None:
-        """The walk's cheapest plan whose peak it prices at most ``limit``; ``None``: none."""
+    def plan(self, limit: int, priced: bool = True) -> Chosen | None:
+        """The walk's cheapest plan whose peak it prices at most ``limit`` (``priced=False``:
+        any such plan, not the cheapest); ``None``: none."""
         try:
             with frozen():  # (the solver makes many states: autoremat.core.collector)
-                return tuple(solve(self.root, self.after, limit, self.forward, self._memo))
+                return tuple(solve(self.root, self.after, limit, self.forward, self._memo, priced))
         except Infeasible:
             return None
 
     def fits(self, limit: int) -> bool:
         """Whether the walk has a plan it prices at most ``limit`` (any, not the cheapest)."""
-        try:
-            with frozen():
-                solve(self.root, self.after, limit, self.forward, self._memo, priced=False)
-        except Infeasible:
-            return False
-        return True
+        return self.plan(limit, priced=False) is not None
 
     def price(self, chosen: Chosen) -> int:
         """The peak the walk prices for ``chosen`` (at most the limit it was proposed at)."""
@@ -117,17 +112,10 @@ def cheapest(walk: Walk, limit: int, judge: Judge) -> Chosen | None:
             break
         # over: below the walk's own price of the plan by the excess (else the walk could
         # propose the same plan again: it prices a rank's gathers, say, at nothing)
-        start = min(at, walk.price(chosen)) if excess > 0 else at
-        at = _next(start - excess, fits, over)
+        at = (min(at, walk.price(chosen)) if excess > 0 else at) - excess
+        if fits is not None and over is not None and not fits < at < over:
+            at = (fits + over) // 2  # (it left the bracket of limits: the bracket's middle)
     return best
-
-
-def _next(suggested: int, fits: int | None, over: int | None) -> int:
-    """The next walk limit: the one the run suggests, unless it leaves the bracket between
-    the highest limit that fitted and the lowest that did not; then their middle."""
-    if fits is not None and over is not None and not fits < suggested < over:
-        return (fits + over) // 2
-    return suggested
 
 
 def lowest(

@@ -3,16 +3,11 @@
 Pure: it reads :class:`Item` trees and points, and knows nothing of models, profiles or wraps
 (:mod:`autoremat.planning.planning_tree` makes the items from a profile). It is the search's
 fast model of the step, not its figure: every plan it proposes is run before anyone sees a
-number (:mod:`autoremat.planning.search`). ``docs/cost-model.md`` gives the model:
-
-* Every tree node ``i`` has a ``start`` and an ``end``, and the profiled step without
-  recompute gives *points* ``(p, bytes)`` (:mod:`autoremat.costs.timeline` defines them).
-  Recomputing ``i`` frees ``freed[i]`` bytes after its end (:attr:`Item.freed_in_forward` at
-  the points of the forward) and costs :attr:`Item.cost`.
-* Recomputing a set ``S``, never one inside another, lowers a point by what the nodes of
-  ``S`` ended before it free; a node's backward brings its activations back. Inside a chosen
-  node's span a point holds :meth:`Item.held_at` more in its forward, :attr:`Item.held` more
-  after it; its recompute adds the point ``(start, recompute_peak)``.
+number (:mod:`autoremat.planning.search`). docs/cost-model.md, "The walk", gives the model:
+the step's points ``(p, bytes)`` without recompute (:mod:`autoremat.costs.timeline`), and how
+recomputing a set of items, never one inside another, lowers them (:attr:`Item.freed`,
+:attr:`Item.freed_in_forward`), holds more inside a chosen node's span (:meth:`Item.held_at`,
+:attr:`Item.held`) and adds the point ``(start, recompute_peak)``; :attr:`Item.cost` prices it.
 
 The walk is a dynamic programme over the tree in execution order whose state is the set of
 Pareto-optimal ``(bytes freed so far, cost so far)`` pairs (with :attr:`Item.cached`, the bytes
@@ -259,9 +254,9 @@ class _Solver:
         )
         self.grid = max(1, -(-self.cap // MAX_STATES))
         # some item frees less in the forward than after it: states carry both
-        self.phased = any(
-            w.cached for i in root.walk() for w in (i, *i.other_ways)
-        ) or any(r.cached for i in root.walk() for _, _, r in i.runs)
+        self.phased = any(w.cached for i in root.walk() for w in (i, *i.other_ways)) or any(
+            r.cached for i in root.walk() for _, _, r in i.runs
+        )
         self.counter = itertools.count()
         self.useful: dict[int, bool] = {}
         self._mark(root)

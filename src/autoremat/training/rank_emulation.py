@@ -26,10 +26,8 @@ group): size before ``init_process_group``, which gives every rank the same answ
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,11 +37,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autoremat.core import huggingface
 from autoremat.core.devices import model_device
 from autoremat.core.huggingface import ordinary_positions_on_meta
 from autoremat.core.nested import tensor_bytes
-from autoremat.planning.rehearsal import PlanFields
+from autoremat.planning.rehearsal import PlanFields, quiet
 from autoremat.record.memory import LiveMemory
 from autoremat.record.shadow import meta_shadow
 from autoremat.record.step import Autocast, LossFn, train_step
@@ -238,12 +235,8 @@ def _stepped(model: nn.Module, shadow: nn.Module, inputs: tuple[Any, Any],
             ``.item()``), naming the model and what to do.
     """
     args, kwargs = inputs
-    quiet = huggingface.logger  # (its use_cache note would name FSDP's class)
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():  # (Hugging Face's use_cache note would name FSDP's class)
             train_step(shadow, args, kwargs, loss_fn, autocast=cast)
             with ResizeCountingMemory(rng_states=rng_states) as step:
                 train_step(shadow, args, kwargs, loss_fn, autocast=cast)
@@ -259,8 +252,6 @@ def _stepped(model: nn.Module, shadow: nn.Module, inputs: tuple[Any, Any],
             f"(autoremat.plan(..., device_memory=...)) and add FSDP2's gathers by hand "
             f"(docs/scale.md)"
         ) from exc
-    finally:
-        quiet.setLevel(level)
 
 
 def _fake(value: Any) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from autoremat.core.entries import parse_call
@@ -35,14 +36,7 @@ from autoremat.planning.solver import Item
 from autoremat.planning.strategy import Request, Strategy, left_out_warning
 from autoremat.record.tree import find_blocks
 
-__all__ = [
-    "NEAR_LOWEST",
-    "STRATEGY",
-    "BudgetTooLow",
-    "Planner",
-    "choices_for",
-    "fields_for",
-]
+__all__ = ["STRATEGY", "BudgetTooLow", "Planner", "choices_for", "fields_for"]
 
 # A budget this close (a fraction of it) above the lowest reachable peak gets a warning.
 NEAR_LOWEST = 0.02
@@ -178,15 +172,24 @@ class Planner:
             prof.peak,
         )
 
-    def fields(self, chosen: Chosen, limit: int, peak: int) -> dict[str, Any]:
-        """The plan's fields for ``chosen``, run at ``peak``, for a ``limit``."""
-        prof, request = self.prof, self.request
+    def fields(
+        self, limit: int, judge: Judge | None = None, too_low: Callable[[], Exception] | None = None
+    ) -> dict[str, Any]:
+        """The plan's fields for the plan :meth:`cheapest` finds for ``limit`` and ``judge``.
+
+        Raises:
+            BudgetTooLow: none fits (or ``too_low()``, when given).
+        """
+        found = self.cheapest(limit, judge)
+        if found is None:
+            raise too_low() if too_low else self.too_low(limit)
+        (chosen, peak), prof, request = found, self.prof, self.request
         choices = choices_for(prof, list(chosen))
         warnings = {
             "left_out": left_out_warning(self.skipped, request.model_name),
-            "near_lowest": self._near_lowest(chosen, limit),
+            "near_lowest": self._near_lowest(chosen, limit, len(choices)),
         }
-        entries = fields_for(prof, list(chosen))
+        entries = fields_for(prof, list(chosen), choices)
         return {
             "modules": entries.modules,
             "selective": dict(entries.selective or {}),
@@ -204,34 +207,29 @@ class Planner:
             "device": prof.device,
         }
 
-    def _near_lowest(self, chosen: Chosen, limit: int) -> str | None:
+    def _near_lowest(self, chosen: Chosen, limit: int, entries: int) -> str | None:
         """The warning for a budget within :data:`NEAR_LOWEST` of the lowest peak the walk
-        reaches (``None`` otherwise)."""
+        reaches, for a plan of ``entries`` entries (``None`` otherwise)."""
         if not chosen or self.walk.fits(int(limit * (1 - NEAR_LOWEST))):
             return None
         return (
             f"budget {format_size(limit)} is within {NEAR_LOWEST:.0%} of the lowest peak "
             f"recomputing modules of {self.request.model_name} reaches: the plan recomputes "
-            f"about all it can ({len(choices_for(self.prof, list(chosen)))} entries, "
-            f"{sum(i.flops for i in chosen) / 1e9:.3f} GFLOP more); a slightly larger budget "
-            f"may cost much less"
+            f"about all it can ({entries} entries, {sum(i.flops for i in chosen) / 1e9:.3f} "
+            f"GFLOP more); a slightly larger budget may cost much less"
         )
 
 
 def _choose(prof: Profile, request: Request) -> dict[str, Any]:
     assert isinstance(request.budget, Budget), "checked first (Strategy.check)"
     planner = Planner(prof, request, request.rehearsal)
-    limit = request.budget.resolve(prof.peak)
-    found = planner.cheapest(limit)
-    if found is None:
-        raise planner.too_low(limit)
-    chosen, peak = found
-    return planner.fields(chosen, limit, peak)
+    return planner.fields(request.budget.resolve(prof.peak))
 
 
-def fields_for(prof: Profile, chosen: list[Item]) -> PlanFields:
-    """What a rehearsal applies for the items ``chosen`` (:func:`choices_for`'s entries)."""
-    choices = choices_for(prof, chosen)
+def fields_for(prof: Profile, chosen: list[Item], choices: tuple[Choice, ...] = ()) -> PlanFields:
+    """What a rehearsal applies for the items ``chosen`` (:func:`choices_for`'s entries;
+    ``choices``: those entries, when found already)."""
+    choices = choices or choices_for(prof, chosen)
     return PlanFields(
         modules=tuple(c.path for c in choices),
         selective={c.path: WAYS[c.way] for c in choices if c.way in WAYS},
@@ -287,4 +285,3 @@ def _left_out_hint(skipped: dict[str, str]) -> str:
 
 
 STRATEGY = Strategy(name="budget", keyword="budget", needs="profile", check=_check, choose=_choose)
-

@@ -1,25 +1,11 @@
 """Claims 2 and 3: choose split points level by level against a preset count.
 
-The walk, exactly as the method page states it:
-
-1. Start with the level made of the root.
-2. At a level, every node whose children are *all leaves* is a split point and is appended to
-   the *mandatory list*, which is kept from then on. The level's *other nodes* are its nodes whose
-   children include a non-leaf. Leaves met on a level are neither: they stay unwrapped.
-3. The candidate scheme is the mandatory list followed by the level's other nodes.
-4. If the scheme has **more than** ``segments`` nodes, return it. Otherwise the next level is the
-   children of this level's other nodes; go to 2.
-5. When there is no next level, return the last scheme.
-
-The chosen nodes are never nested: a mandatory node is never descended into, and the other
-nodes of a level are replaced by their children when the walk descends.
-
-A module that cannot be recomputed exactly (``Node.recompute_reason``: its forward changes
-Python state, or an input of it is changed in place; :mod:`autoremat.record.side_effects`) is never
-a split point: the walk sees it dissolved, as claim 1 dissolves a container that never ran,
-its children in its place among its parent's children, so the count is still met where the
-tree allows. A leaf stays (leaves are never split points). The dissolved modules the walk met
-are reported with their reasons (``left_out``).
+The walk is docs/method.md's ("Claims 2 and 3"): at each level, from the root's, nodes whose
+children are all leaves join the mandatory list; the scheme is that list then the level's other
+nodes, returned once it has more than ``segments`` nodes, else the walk descends into the other
+nodes (the last scheme when the tree ends). A module that cannot be recomputed exactly
+(``Node.recompute_reason``) is dissolved: its children take its place among its parent's; those
+the walk met are reported with their reasons (``left_out``).
 """
 
 from __future__ import annotations
