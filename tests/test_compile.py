@@ -315,6 +315,21 @@ def test_plan_with_compile_measures_the_compiled_step_within_the_budget() -> Non
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
 
 
+@pytest.mark.parametrize(
+    ("model", "error", "message"),
+    [
+        (nn.Linear(4, 4), ValueError, "Linear has no submodules that ran"),
+        (lambda x: x, TypeError, "model must be a torch.nn.Module, got function"),
+    ],
+)
+def test_plan_with_compile_refuses_what_plan_refuses(model: Any, error: type, message: str):
+    """``plan(..., compile=...)`` checks the model as the eager ``plan`` does, before anything
+    is compiled: a model with no submodules is no ``BudgetTooLow`` (there is nothing to
+    recompute), and one that is no module a ``TypeError``, not an ``AttributeError``."""
+    with pytest.raises(error, match=message):
+        autoremat.plan(model, (torch.randn(2, 4),), budget="50%", compile="aot_eager")
+
+
 @pytest.mark.slow
 def test_plan_with_compile_plans_again_below_the_overshoot(monkeypatch: pytest.MonkeyPatch):
     """Each plan the search proposes is judged by its compiled step: when that peaks over the

@@ -13,13 +13,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from autoremat.costs.profile import profile
-from autoremat.planning.plan import plan_from_profile
+from autoremat.planning.plan import activation_plan
 from autoremat.planning.plans import Plan
 from autoremat.planning.rehearsal import PlanFields
-from autoremat.planning.strategies.budget import STRATEGY
-from autoremat.planning.strategy import Request
-from autoremat.record.compiled import running_eagerly
 from autoremat.record.measure import measure
 from autoremat.record.snapshot import preserved
 from autoremat.record.step import LossFn, leaf_inputs, train_step
@@ -111,11 +107,10 @@ def compiled_plan(
             the lowest compiled peak found.
         ValueError, TypeError: as :func:`autoremat.plan`.
     """
-    STRATEGY.check(Request(type(model).__name__, None, budget, loss_fn, selective, objective))
-    with running_eagerly(model):
-        prof = profile(model, args, kwargs, loss_fn=loss_fn)
     how = {"backend": backend, "loss_fn": loss_fn, "inductor_config": inductor_config}
     rehearsal = CompiledRehearsal(model, args, kwargs or {}, how)
-    chosen = plan_from_profile(model, prof, budget, selective=selective, objective=objective,
-                               rehearsal=rehearsal)  # type: ignore[arg-type]  # fmt: skip
+    chosen = activation_plan(
+        model, args, kwargs, budget=budget, loss_fn=loss_fn, selective=selective,
+        objective=objective, rehearsal=rehearsal,
+    )  # fmt: skip
     return dataclasses.replace(chosen, compiled_peak=chosen.estimated_peak)

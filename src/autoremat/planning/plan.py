@@ -49,13 +49,15 @@ def activation_plan(
     selective: bool = True,
     objective: str = "time",
     autocast: Any = None,
+    rehearsal: Any = None,
 ) -> Plan:
     """Choose the modules of ``model`` to recompute, as :func:`autoremat.plan` says for
     ``segments`` (default 3 when no budget is given: the levels strategy,
     :func:`~autoremat.planning.strategies.levels.choose_levels`) and ``budget`` (the budget
     strategy, :mod:`autoremat.planning.strategies.budget`, from a profile of one training step),
-    the other keywords as it takes them. The model is left as found; what the strategy has to
-    say is in :attr:`Plan.warnings`.
+    the other keywords as it takes them; ``rehearsal`` runs each budget plan's step (a
+    :class:`~autoremat.planning.compiled_plan.CompiledRehearsal`; ``None``: the profiled step).
+    The model is left as found; what the strategy has to say is in :attr:`Plan.warnings`.
 
     Raises:
         ValueError: ``segments`` negative; a malformed or
@@ -68,7 +70,7 @@ def activation_plan(
             names the module.
     """
     name = type(model).__name__
-    request = Request(name, segments, budget, loss_fn, selective, objective, autocast)
+    request = Request(name, segments, budget, loss_fn, selective, objective, autocast, rehearsal)
     strategy, request = _strategy_for(request)
     evidence, tree = _evidence(strategy, model, args, kwargs, request)
     return _made(model, strategy.name, tree, strategy.choose(evidence, request))
