@@ -41,7 +41,7 @@ def plans_of(name: str, dtype: torch.dtype | None) -> dict[str, Any]:
         runs[0] += 1
         return run(self, *a)
 
-    rehearsal.Rehearsal._run = counted  # type: ignore[method-assign]
+    rehearsal.Rehearsal._run = counted  # type: ignore[method-assign,assignment]
     try:
         prof = autoremat.profile(model, args, kwargs, autocast=dtype)
         row: dict[str, Any] = {"peak": prof.peak, "lowest": profile_lowest(prof, objective="flops")}
@@ -50,7 +50,7 @@ def plans_of(name: str, dtype: torch.dtype | None) -> dict[str, Any]:
             p = plan_from_profile(model, prof, budget, objective="flops")
             row[str(fraction)] = [p.estimated_peak, p.recompute_flops, len(p.modules)]
     finally:
-        rehearsal.Rehearsal._run = run  # type: ignore[method-assign]
+        rehearsal.Rehearsal._run = run  # type: ignore[method-assign,assignment]
     row["runs"] = runs[0]
     return row
 
