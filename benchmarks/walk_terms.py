@@ -50,7 +50,7 @@ def plans_of(name: str, dtype: torch.dtype | None) -> dict[str, Any]:
             p = plan_from_profile(model, prof, budget, objective="flops")
             row[str(fraction)] = [p.estimated_peak, p.recompute_flops, len(p.modules)]
     finally:
-        rehearsal.Rehearsal._run = run  # type: ignore[method-assign,assignment]
+        rehearsal.Rehearsal._run = run  # type: ignore[method-assign]
     row["runs"] = runs[0]
     return row
 
