@@ -330,6 +330,24 @@ def test_plan_with_compile_refuses_what_plan_refuses(model: Any, error: type, me
         autoremat.plan(model, (torch.randn(2, 4),), budget="50%", compile="aot_eager")
 
 
+@pytest.mark.parametrize(
+    ("compile", "error", "message"),
+    [
+        ("nosuch", ValueError, "compile='nosuch' is not a torch.compile backend: .* inductor"),
+        (1, TypeError, "compile must be True, False or a torch.compile backend's name"),
+    ],
+)
+def test_plan_refuses_a_compile_that_names_no_backend(compile: Any, error: type, message: str):
+    """A ``compile=`` torch does not know is refused by name before the model runs (torch
+    itself would raise its own ``InvalidBackend``, a RuntimeError, after the profile)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(error, match=message):
+        autoremat.plan(model, (torch.randn(2, 4),), budget="50%", compile=compile)
+    assert not calls
+
+
 @pytest.mark.slow
 def test_plan_with_compile_plans_again_below_the_overshoot(monkeypatch: pytest.MonkeyPatch):
     """Each plan the search proposes is judged by its compiled step: when that peaks over the

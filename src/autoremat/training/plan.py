@@ -69,7 +69,8 @@ def plan(
         BudgetTooLow: (a ValueError) no plan meets the aim; its ``lowest`` is the lowest peak.
         ValueError: two aims, or a setting the aim does not take (the message says which);
             a malformed budget or size; see :func:`~autoremat.planning.plan.activation_plan`.
-        TypeError: ``model`` not an ``nn.Module``, ``sharding`` not a ``Sharding``.
+        TypeError: ``model`` not an ``nn.Module``, ``sharding`` not a ``Sharding``, ``compile``
+            neither a bool nor a backend's name (an unknown name: ValueError).
     """
     _check(budget, device_memory, segments, optimizer, reserve, sharding, compile, autocast)
     how: dict[str, Any] = {"loss_fn": loss_fn, "selective": selective, "objective": objective}
@@ -109,6 +110,7 @@ def _check(budget: Any, device_memory: Any, segments: Any, optimizer: Any, reser
             f"{named} count{'s' * (len(device_only) == 1)} in the whole step on a device: pass "
             f"device_memory=... too (a budget bounds the step's activations only)"
         )
+    _check_compile(compile)
     if compile and budget is None:
         raise ValueError(
             "compile= checks a budget on the compiled step: pass budget=... (device_memory= "
@@ -119,6 +121,25 @@ def _check(budget: Any, device_memory: Any, segments: Any, optimizer: Any, reser
             "compile= does not plan under autocast yet: plan the eager step with autocast= "
             "and measure the compiled one with autoremat.measure(torch.compile(model), ...)"
         )
+
+
+def _check_compile(compile: Any) -> None:
+    """Raise TypeError or ValueError for a ``compile=`` that is neither a bool nor the name of
+    a ``torch.compile`` backend (before anything runs: torch would refuse it after a profile)."""
+    if not isinstance(compile, (bool, str)):
+        raise TypeError(
+            f"compile must be True, False or a torch.compile backend's name ('inductor', "
+            f"'aot_eager', ...), got {compile!r}"
+        )
+    if isinstance(compile, str):
+        from torch._dynamo import list_backends
+
+        if compile not in list_backends(exclude_tags=()):  # (the debugging ones too)
+            raise ValueError(
+                f"compile={compile!r} is not a torch.compile backend: compile=True (inductor) "
+                f"or one of {', '.join(list_backends())}, or for debugging 'aot_eager' or "
+                f"'eager' (torch._dynamo.list_backends(exclude_tags=()) lists them all)"
+            )
 
 
 def _compare_with_own_checkpointing(model: nn.Module, inputs: tuple[Any, Any], made: Plan,
