@@ -61,16 +61,15 @@ def plan(
       (claims 2-3).
 
     ``autocast`` (a dtype, or ``(device_type, dtype)``): forward and loss under autocast.
-    ``compile`` (``True``: inductor; or a backend): each plan tried is compiled and measured,
-    ``inductor_config`` patched in (a budget only). The model is left as found;
+    ``compile`` (``True``: inductor; or a backend's name): each plan tried is compiled and
+    measured, ``inductor_config`` patched in (a budget only). The model is left as found;
     :attr:`Plan.warnings` are logged, once each.
 
     Raises:
         BudgetTooLow: (a ValueError) no plan meets the aim; its ``lowest`` is the lowest peak.
-        ValueError: two aims, or a setting the aim does not take (the message says which);
-            a malformed budget or size; see :func:`~autoremat.planning.plan.activation_plan`.
-        TypeError: ``model`` not an ``nn.Module``, ``sharding`` not a ``Sharding``, ``compile``
-            neither a bool nor a backend's name (an unknown name: ValueError).
+        ValueError: two aims, or a setting the aim does not take (the message says which); a
+            malformed budget or size; no such ``compile`` backend; as ``activation_plan``.
+        TypeError: ``model`` not a module, ``sharding`` no ``Sharding``, ``compile`` no bool/str.
     """
     _check(budget, device_memory, segments, optimizer, reserve, sharding, compile, autocast)
     how: dict[str, Any] = {"loss_fn": loss_fn, "selective": selective, "objective": objective}
