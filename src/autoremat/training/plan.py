@@ -69,7 +69,7 @@ def plan(
         BudgetTooLow: (a ValueError) no plan meets the aim; its ``lowest`` is the lowest peak.
         ValueError: two aims, or a setting the aim does not take (the message says which); a
             malformed budget or size; no such ``compile`` backend; as ``activation_plan``.
-        TypeError: ``model`` not a module, ``sharding`` no ``Sharding``, ``compile`` no bool/str.
+        TypeError: ``model`` not an ``nn.Module``; ``sharding`` or ``compile`` of a wrong type.
     """
     _check(budget, device_memory, segments, optimizer, reserve, sharding, compile, autocast)
     how: dict[str, Any] = {"loss_fn": loss_fn, "selective": selective, "objective": objective}
