@@ -89,6 +89,22 @@ def test_python_dash_m_runs_the_cli():
     assert "hf-llama" in done.stdout
 
 
+def test_a_reader_that_leaves_gets_no_traceback():
+    """``autoremat ... | head``: the reader closes the pipe before the command writes; the
+    command ends with status 1 and nothing on stderr (it raised ``BrokenPipeError`` with a
+    traceback, and again when Python flushed at exit)."""
+    command = subprocess.Popen(
+        [sys.executable, "-m", "autoremat", "tree", "gpt2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert command.stdout is not None and command.stderr is not None
+    command.stdout.close()  # (before it writes: it imports torch and builds the model first)
+    err = command.stderr.read().decode()
+    assert command.wait(timeout=120) == 1, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_plan_objective_flag(capsys):
     assert main(["plan", "gpt2", "--budget", "50%", "--objective", "flops"]) == 0
     out = capsys.readouterr().out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -216,7 +217,8 @@ def _warnings_to_stderr() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``autoremat`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit
     status: 0, 2 after an error (printed as one line, :func:`_error_text`), 1 when the demo
-    finds a step that differs or ``fit``'s batch does not fit when run."""
+    finds a step that differs or ``fit``'s batch does not fit when run, or when the reader of
+    its output left (``| head``: no traceback)."""
     _warnings_to_stderr()
     tokens = sys.argv[1:] if argv is None else argv
     try:
@@ -224,6 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"autoremat: error: {_error_text(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # (`autoremat ... | head`: the reader left; no traceback)
+        # what is still buffered goes nowhere, so the flush at exit raises nothing either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _error_text(exc: Exception) -> str:
