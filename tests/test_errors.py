@@ -264,6 +264,21 @@ def test_a_budget_of_a_few_bytes_or_below_zero_says_what_it_may_have_meant() -> 
         autoremat.plan(Net(), (x(),), budget="-1")
 
 
+def test_too_low_says_when_recompute_frees_nothing_and_gives_bytes_once() -> None:
+    """Where no plan lowers the step's peak (its lowest is the peak without recompute), the
+    refusal says so rather than quoting 100%; a budget given in bytes is not repeated, nor
+    the lowest when it is written in bytes already."""
+    model, inputs = nn.Sequential(nn.Linear(64, 64)), (torch.randn(32, 64),)
+    least = autoremat.lowest_budget(model, inputs)
+    with pytest.raises(autoremat.BudgetTooLow) as info:
+        autoremat.plan(model, inputs, budget=least - 1)
+    text = str(info.value)
+    assert info.value.lowest == info.value.baseline == least
+    assert "recompute frees nothing at this step's peak" in text and "100%" not in text
+    assert text.startswith(f"budget {least - 1:,} bytes is below the lowest peak")
+    assert text.count(str(least)) == 1 and text.count(f"{least:,}") == 1, text
+
+
 def test_the_library_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     model = Net()
     plan = autoremat.plan(model, (x(),), budget="90%")

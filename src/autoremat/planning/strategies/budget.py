@@ -161,12 +161,15 @@ class Planner:
         asked, reached = format_size(limit), format_size(least)
         if asked == reached:  # (a budget just below: the bytes tell them apart)
             asked, reached = f"{limit:,} bytes", f"{least:,} bytes"
+        asked += "" if given == limit else f" ({given!r})"  # (as given, unless it is bytes)
+        share = f"{least / prof.peak:.0%} of the {format_size(prof.peak)} peak without recompute"
+        if least >= prof.peak:  # (at the step's peak, recompute holds nothing less)
+            share = "the peak without recompute: recompute frees nothing at this step's peak"
+        exact = "" if reached.endswith(" bytes") else f"; about {least} bytes"
         return BudgetTooLow(
-            f"budget {asked} ({given!r}) is below the lowest peak that "
-            f"recomputing modules of {request.model_name} reaches, {reached} "
-            f"({least / prof.peak:.0%} of the {format_size(prof.peak)} peak without "
-            f"recompute; about {least} bytes). Try budget={least}, a smaller batch"
-            f"{'' if request.autocast else ', or mixed precision'}."
+            f"budget {asked} is below the lowest peak that recomputing modules of "
+            f"{request.model_name} reaches, {reached} ({share}{exact}). Try budget={least}, "
+            f"a smaller batch{'' if request.autocast else ', or mixed precision'}."
             f"{_left_out_hint(self.skipped)}{f' ({hint}.)' if hint else ''}",
             least,
             prof.peak,
