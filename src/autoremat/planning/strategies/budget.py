@@ -192,7 +192,7 @@ class Planner:
             "left_out": left_out_warning(self.skipped, request.model_name),
             "near_lowest": self._near_lowest(chosen, limit, len(choices)),
         }
-        entries = fields_for(prof, list(chosen), choices)
+        entries = _fields_of(prof, choices)
         return {
             "modules": entries.modules,
             "selective": dict(entries.selective or {}),
@@ -229,10 +229,13 @@ def _choose(prof: Profile, request: Request) -> dict[str, Any]:
     return planner.fields(request.budget.resolve(prof.peak))
 
 
-def fields_for(prof: Profile, chosen: list[Item], choices: tuple[Choice, ...] = ()) -> PlanFields:
-    """What a rehearsal applies for the items ``chosen`` (:func:`choices_for`'s entries;
-    ``choices``: those entries, when found already)."""
-    choices = choices or choices_for(prof, chosen)
+def fields_for(prof: Profile, chosen: list[Item]) -> PlanFields:
+    """What a rehearsal applies for the items ``chosen`` (:func:`choices_for`'s entries)."""
+    return _fields_of(prof, choices_for(prof, chosen))
+
+
+def _fields_of(prof: Profile, choices: tuple[Choice, ...]) -> PlanFields:
+    """What a rehearsal applies for the plan entries ``choices``."""
     return PlanFields(
         modules=tuple(c.path for c in choices),
         selective={c.path: WAYS[c.way] for c in choices if c.way in WAYS},
