@@ -222,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _warnings_to_stderr()
     tokens = sys.argv[1:] if argv is None else argv
     try:
-        return _run(parser().parse_args(joined_values(tokens, VALUE_OPTIONS)))
+        status = _run(parser().parse_args(joined_values(tokens, VALUE_OPTIONS)))
+        sys.stdout.flush()  # (a reader that left is met here, not in the flush at exit)
+        return status
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"autoremat: error: {_error_text(exc)}", file=sys.stderr)
         return 2
