@@ -14,18 +14,34 @@ products of the shapes, so a step whose tensors all grow with the batch is). A s
 changes with the batch (other calls, other points) or with a term that grows faster (a batch x batch
 product) is refused with :class:`NotScalable`, which says so. The peak is the most of the points
 scaled (a maximum of affine figures is not affine itself).
+
+A step whose memory depends on values drawn at random (Wav2Vec2's SpecAugment masks, drawn from
+NumPy's generator, index the hidden states: their count changes the bytes) is never exactly
+affine. When no window is, the last window's third batch is profiled again: if the two draws
+differ, the step is *jittery*, and a window missing by at most :data:`JITTER` of its peak is
+taken, every point scaled raised by that miss in proportion to the batch
+(:meth:`ScaledProfiles.headroom`). A deterministic step (two draws the same) still has to be
+exact: a batch x batch term is refused, however small. A batch x batch term hidden in a jittery
+step is not seen; ``fit``'s check on the device (``verify``) is what catches it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from autoremat.core.host_rng import get_host_rng, set_host_rng
 from autoremat.costs.profile import Profile
 from autoremat.planning.rehearsal import CannotRun, PlanFields, Rehearsal, rehearsal_for
 
 __all__ = [
+    "JITTER",
     "WINDOWS",
     "NotScalable",
     "ScaledProfiles",
@@ -85,15 +101,24 @@ def between(first: Any, second: Any, t: float, where: str = "profile") -> Any:
     return second
 
 
-def scaled(first: Profile, second: Profile, t: float) -> Profile:
-    """:func:`between` two profiles, the peak the most of the points between (a maximum over
-    moments is not affine in the batch: which moment is highest changes with it)."""
+def scaled(first: Profile, second: Profile, t: float, headroom: int = 0) -> Profile:
+    """:func:`between` two profiles, every point raised by ``headroom`` bytes, the peak the
+    most of the points (a maximum over moments is not affine in the batch: which moment is
+    highest changes with it)."""
     found = between(first, second, t)
-    peak = max(b for phase in (found.forward_points, found.backward_points) for _, b in phase)
-    return dataclasses.replace(found, peak=peak, step=None)  # (no step ran at that batch)
+    forward, backward = (
+        tuple((p, b + headroom) for p, b in phase)
+        for phase in (found.forward_points, found.backward_points)
+    )
+    peak = max(b for _, b in (*forward, *backward))
+    return dataclasses.replace(  # (no step ran at that batch)
+        found, peak=peak, forward_points=forward, backward_points=backward, step=None
+    )
 
 
 WINDOWS = 3  # batches tried: (2b, 4b, 6b), then (4b, 6b, 8b), then (6b, 8b, 10b)
+JITTER = 0.0025  # the most a jittery step's window may miss, a fraction of its third's peak
+REDRAW_SEED = 20_260_701  # the generators' seed for the second draw (ScaledProfiles.redrawn)
 
 
 class ScaledRehearsal:
@@ -110,6 +135,11 @@ class ScaledRehearsal:
         self.profiles, self.batch, self.device = profiles, batch, device
         self.rng_state = self.run(profiles.b1).rng_state
         self.how = f"real steps at smaller batches, scaled to batch {batch}"
+        if profiles.jitter is not None:  # (jittery: module docstring)
+            self.how += (
+                f", plus {profiles.headroom(batch):,} bytes or more of headroom (the memory of "
+                f"its steps varies between draws)"
+            )
 
     def run(self, batch: int) -> Rehearsal:
         return rehearsal_for(self.profiles.profiled(batch), self.device)
@@ -119,15 +149,16 @@ class ScaledRehearsal:
 
         Raises:
             CannotRun: no window of :data:`WINDOWS` extrapolates its third batch."""
-        b1, misses = self.profiles.b1, []
+        b1, misses, jittery = self.profiles.b1, [], self.profiles.jitter is not None
         for k in range(1, WINDOWS + 1):
             low, high, third = k * b1, (k + 1) * b1, (k + 2) * b1
             first, second, last = (self.run(b).peak(plan) for b in (low, high, third))
             slope = (second - first) / (high - low)
-            if round(first + slope * (third - low)) == last:
-                return round(first + slope * (self.batch - low))
-            off = first + slope * (third - low) - last
-            misses.append(f"from {low} and {high} to {third}: {off:+.0f} B")
+            off = round(first + slope * (third - low)) - last
+            if abs(off) <= (JITTER * last if jittery else 0):
+                headroom = self.profiles.headroom(self.batch, abs(off))
+                return round(first + slope * (self.batch - low)) + headroom
+            misses.append(f"from {low} and {high} to {third}: {off:+d} B")
         raise CannotRun(f"its step is not linear in the batch ({'; '.join(misses)})")
 
 
@@ -143,6 +174,17 @@ class ScaledProfiles:
         self.real, self.b1 = real, 2 * b
         self.seen: dict[int, Profile] = {b: first}
         self.base: tuple[int, int] | None = None  # the two batches scaled from, once checked
+        # a jittery step's (module docstring): the most a figure missed, and at which batch
+        self.jitter: tuple[int, int] | None = None
+
+    def headroom(self, batch: int, missed: int = 0) -> int:
+        """The bytes added to a figure scaled to ``batch``: none for a step that scaled
+        exactly; for a jittery one, the most a figure missed (or ``missed``, if more), in
+        proportion to the batch (the draws are made per sample)."""
+        if self.jitter is None:
+            return 0
+        worst, third = self.jitter
+        return math.ceil(max(worst, missed) * batch / third)
 
     def profiled(self, batch: int) -> Profile:
         if batch not in self.seen:
@@ -163,7 +205,8 @@ class ScaledProfiles:
         low, high = self.base
         if batch < high:
             return self.profiled(batch)
-        return scaled(self.profiled(low), self.profiled(high), (batch - low) / (high - low))
+        t = (batch - low) / (high - low)
+        return scaled(self.profiled(low), self.profiled(high), t, self.headroom(batch))
 
     def rehearsal_at(self, batch: int, device: str | None = None) -> Any:
         """What runs plans' steps at ``batch``: real steps there (below the window checked,
@@ -179,14 +222,15 @@ class ScaledProfiles:
 
     def check(self) -> tuple[int, int]:
         """The first window ``(k b1, (k + 1) b1)`` whose extrapolation to ``(k + 2) b1`` is
-        the real profile there to the byte (:func:`off_by`).
+        the real profile there to the byte (:func:`off_by`); when none is, for a jittery step
+        (module docstring), the first that misses by at most :data:`JITTER` of its peak.
 
         Raises:
-            NotScalable: none of :data:`WINDOWS` is; the message gives each window's miss.
+            NotScalable: none is; the message gives each window's miss.
         """
-        b1, misses = self.b1, []
-        for k in range(1, WINDOWS + 1):
-            low, high, third = k * b1, (k + 1) * b1, (k + 2) * b1
+        found = []
+        for low, high, third in ((k * self.b1, (k + 1) * self.b1, (k + 2) * self.b1)
+                                 for k in range(1, WINDOWS + 1)):  # fmt: skip
             try:
                 worst = off_by(
                     scaled(self.profiled(low), self.profiled(high), 2.0), self.profiled(third)
@@ -197,11 +241,37 @@ class ScaledProfiles:
                 ) from None
             if not worst:
                 return low, high
-            misses.append(
-                f"from {low} and {high} to {third}, a figure is off by {worst} bytes "
-                f"({worst / self.profiled(third).peak:.2%} of the peak)"
-            )
-        raise NotScalable(f"its step is not linear in the batch: extrapolated {'; '.join(misses)}")
+            found.append((low, high, third, worst))
+        jitter = off_by(self.profiled(found[-1][2]), self.redrawn(found[-1][2]))
+        for low, high, third, worst in found:
+            if jitter and worst <= JITTER * self.profiled(third).peak:
+                self.jitter = (max(worst, jitter), third)
+                return low, high
+        misses = [
+            f"from {low} and {high} to {third}, a figure is off by {worst} bytes "
+            f"({worst / self.profiled(third).peak:.2%} of the peak)"
+            for low, high, third, worst in found
+        ]
+        why = f"; two draws at batch {found[-1][2]} differ by {jitter} bytes" if jitter else ""
+        raise NotScalable(
+            f"its step is not linear in the batch: extrapolated {'; '.join(misses)}{why}"
+        )
+
+    def redrawn(self, batch: int) -> Profile:
+        """A real step at ``batch`` again, every random generator (torch's, Python's and NumPy's)
+        drawing from another seed; all put back after it."""
+        host, cuda = get_host_rng(), torch.cuda.is_initialized()  # (no step ran on CUDA if not)
+        try:
+            with torch.random.fork_rng(devices=None if cuda else []):
+                random.seed(REDRAW_SEED)
+                torch.default_generator.manual_seed(REDRAW_SEED)
+                if cuda:
+                    torch.cuda.manual_seed_all(REDRAW_SEED)
+                if "numpy" in sys.modules:
+                    sys.modules["numpy"].random.seed(REDRAW_SEED)
+                return self.real(batch)
+        finally:
+            set_host_rng(host)
 
 
 def off_by(guess: Profile, real: Profile) -> int:
