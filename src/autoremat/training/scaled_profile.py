@@ -242,7 +242,11 @@ class ScaledProfiles:
             if not worst:
                 return low, high
             found.append((low, high, third, worst))
-        jitter = off_by(self.profiled(found[-1][2]), self.redrawn(found[-1][2]))
+        last = found[-1][2]
+        try:
+            jitter = off_by(self.profiled(last), self.redrawn(last))
+        except NotScalable as exc:
+            raise NotScalable(f"two draws at batch {last} differ: {exc}") from None
         for low, high, third, worst in found:
             if jitter and worst <= JITTER * self.profiled(third).peak:
                 self.jitter = (max(worst, jitter), third)
@@ -252,7 +256,7 @@ class ScaledProfiles:
             f"({worst / self.profiled(third).peak:.2%} of the peak)"
             for low, high, third, worst in found
         ]
-        why = f"; two draws at batch {found[-1][2]} differ by {jitter} bytes" if jitter else ""
+        why = f"; two draws at batch {last} differ by {jitter} bytes" if jitter else ""
         raise NotScalable(
             f"its step is not linear in the batch: extrapolated {'; '.join(misses)}{why}"
         )
