@@ -48,6 +48,7 @@ Numbers are summed over devices; use the tracker on a model that lives on one de
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import sys
@@ -90,13 +91,8 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     """The untyped storages behind ``t`` (several for a traceable wrapper subclass, none for a
     tensor without storage, such as a sparse tensor)."""
     if is_traceable_wrapper_subclass(t):
-        attrs, _ = t.__tensor_flatten__()
-        found: list[torch.UntypedStorage] = []
-        for attr in attrs:
-            inner = getattr(t, attr)
-            if isinstance(inner, torch.Tensor):
-                found.extend(_storages(inner))
-        return found
+        inner = [getattr(t, attr) for attr in t.__tensor_flatten__()[0]]
+        return [st for x in inner if isinstance(x, torch.Tensor) for st in _storages(x)]
     try:
         return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError):
@@ -137,12 +133,9 @@ class LiveMemory(TorchDispatchMode):
 
     def __init__(self, trace: bool = False, *, rng_states: bool = False, block: int = 1) -> None:
         super().__init__()
-        self.rng_states, self.block = rng_states, block
-        self.current = 0
-        self.peak = 0
-        self.allocated = 0
+        self.trace, self.rng_states, self.block = trace, rng_states, block
+        self.current = self.peak = self.allocated = 0
         self.marks: dict[str, int] = {}
-        self.trace = trace
         self.events: list[tuple[str, int, int]] = []
         # id(storage) -> [weakref to the storage, its nbytes, the op that made it]
         self._live: dict[int, list[Any]] = {}
@@ -154,8 +147,7 @@ class LiveMemory(TorchDispatchMode):
         RNG states (CPU memory there), on CUDA in the caching allocator's blocks (the RNG
         states are host memory there); on other devices the storages' bytes."""
         kind = torch.device(device).type
-        block = CUDA_BLOCK if kind == "cuda" else 1
-        return cls(trace, rng_states=kind == "cpu", block=block)
+        return cls(trace, rng_states=kind == "cpu", block=CUDA_BLOCK if kind == "cuda" else 1)
 
     def snapshot(self, label: str | None = None) -> int:
         """Bytes alive now among the storages created inside; recorded in ``marks[label]``
@@ -181,8 +173,7 @@ class LiveMemory(TorchDispatchMode):
 
     def __enter__(self) -> Self:
         if self.rng_states:
-            self._get_rng_state = torch.get_rng_state
-            original = self._get_rng_state
+            original = self._get_rng_state = torch.get_rng_state
 
             def get_rng_state() -> torch.Tensor:
                 state = original()
@@ -224,19 +215,16 @@ class LiveMemory(TorchDispatchMode):
             return
         if key in inputs:
             return  # an input's storage that existed before the mode was entered
-        ref = weakref.ref(st, self._freed_callback(key))
+        ref = weakref.ref(st, functools.partial(self._freed, key))
         self._live[key] = [ref, size, name]
         self.allocated += size
         self._change(name, size)
 
-    def _freed_callback(self, key: int) -> Any:
-        def freed(_ref: Any) -> None:
-            with self._lock:
-                entry = self._live.pop(key, None)
-                if entry is not None:
-                    self._change(entry[2], -entry[1])
-
-        return freed
+    def _freed(self, key: int, _ref: Any) -> None:
+        with self._lock:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self._change(entry[2], -entry[1])
 
     def _change(self, name: Any, delta: int) -> None:
         self.current += delta
@@ -274,10 +262,7 @@ class CudaMemory:
         # Freeze the figures: the allocator's statistics go on counting whatever runs next
         # (measure's FLOP-counting and timing runs), which belongs to no measurement.
         torch.cuda.synchronize(self.device)
-        self._final = (
-            torch.cuda.memory_allocated(self.device) - self.start,
-            torch.cuda.max_memory_allocated(self.device) - self.start,
-        )
+        self._final = (self.current, self.peak)  # (read live: __enter__ set it to None)
 
     @property
     def current(self) -> int:
@@ -389,24 +374,19 @@ class CpuAllocatorMemory:
     def __exit__(self, *exc: object) -> None:
         with _without_kineto_markers():
             self._profile.__exit__(*exc)
-        events = self._profile.profiler.kineto_results.events()
-        changes = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in events
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        )
-        marks = sorted((e.start_ns(), e.name()[len(_MARK) :]) for e in events if _MARK in e.name())
+        timeline: list[tuple[int, int, Any]] = []  # sorted below: a change before a mark at a tie
+        for e in self._profile.profiler.kineto_results.events():
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU:
+                timeline.append((e.start_ns(), 0, e.nbytes()))
+            elif _MARK in e.name():
+                timeline.append((e.start_ns(), 1, e.name()[len(_MARK) :]))
         self._profile = None
         current = peak = high = 0  # high: the most since the last mark
-        k = 0
-        for when, delta in changes:
-            while k < len(marks) and marks[k][0] < when:
-                self.marks[marks[k][1]], self.highs[marks[k][1]] = current, high
+        for _, is_mark, what in sorted(timeline):
+            if is_mark:
+                self.marks[what], self.highs[what] = current, high
                 high = current
-                k += 1
-            current += delta
-            peak, high = max(peak, current), max(high, current)
-        for _, label in marks[k:]:
-            self.marks[label], self.highs[label] = current, high
-            high = current
+            else:
+                current += what
+                peak, high = max(peak, current), max(high, current)
         self.current, self.peak = current, peak

@@ -13,9 +13,7 @@ calls on every module call of the forward it runs. It compares:
   and deques by type, length and items; tensors by identity and version counter (an
   in-place update of a plain tensor attribute, which is no buffer the wrap restores); random
   generators (``torch.Generator``, ``random.Random``, NumPy's) by state; other objects by
-  identity and their own attributes, one object deep. An attribute with which each of a
-  module's calls began the same on the first forward as on the second (call by call,
-  :meth:`ReplayCheck._reset`) is set by something around it, which is not left out for it.
+  identity and their own attributes, one object deep.
 * **Inputs changed in place** (:attr:`ReplayCheck.inplace`). The version counter of every
   tensor among the call's arguments (:func:`autoremat.core.nested.iter_tensors`; inference
   tensors have none and are skipped) when the call began, against its value when the call
@@ -70,8 +68,7 @@ __all__ = ["MAX_CONTAINER_DEPTH", "MAX_TOKENS", "ReplayCheck", "module_state"]
 MAX_TOKENS = 256
 MAX_CONTAINER_DEPTH = 3
 
-# torch's own entries of a module's __dict__ (parameters, buffers, submodules, hook dicts);
-# 'training' stays: a forward that flips it changes what a recompute does
+# torch's own entries ('training' stays: a forward that flips it changes what a recompute does)
 _TORCH_ENTRIES = frozenset(nn.Module().__dict__) - {"training"}
 _TORCH_PREFIXES = ("_forward", "_backward", "_state_dict", "_load_state_dict", ATTR_PREFIX)
 _BY_VALUE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device,
@@ -105,14 +102,6 @@ class _Ref:
         mine = self.target()
         return (isinstance(other, _Ref) and mine is not None and mine is other.target()
                 and self.version == other.version)  # fmt: skip
-
-
-def _first_difference(a: list[Any], b: list[Any]) -> int | None:
-    """Where two flattened values first differ (objects by identity), or ``None``."""
-    if a == b:  # the usual case, compared in C
-        return None
-    differ = (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x is not y and x != y)
-    return next(differ, min(len(a), len(b)))
 
 
 def _plain(value: Any) -> Any:
@@ -245,15 +234,14 @@ def module_state(module: nn.Module, flat: _Flattener | None = None) -> State:
 def _changed(before: State, after: State, skip: Collection[str] = ()) -> str | None:
     """The first attribute whose value differs (``config.problem_type`` for an attribute of
     an object held in ``config``), or ``None``; attributes in ``skip`` are not looked at."""
-    for name in itertools.chain(before, (n for n in after if n not in before)):
-        if name in skip:
+    for name in {**before, **after}:  # (before's order, then the names new in after)
+        items, other = before.get(name), after.get(name)
+        if name in skip or items == other:  # (the usual case, compared in C)
             continue
-        if name not in before or name not in after:
+        if items is None or other is None:
             return name
-        items = before[name]
-        i = _first_difference(items, after[name])
-        if i is None:
-            continue
+        pairs = enumerate(zip(items, other, strict=False))  # i: where they first differ
+        i = next((i for i, (x, y) in pairs if x is not y and x != y), min(len(items), len(other)))
         marks = [t[1] for t in items[: i + 1] if type(t) is tuple and t[:1] == (_ATTR,)]
         return f"{name}.{marks[-1]}" if marks else name
     return None
@@ -303,13 +291,9 @@ def _inputs(call: _Call, args: Any, kwargs: Any) -> list[_Input]:
     tensors = itertools.chain(iter_tensors(args, "args"), iter_tensors(kwargs, "kwargs"))
     for where, t in tensors:
         version = version_of(t)
-        if version is None:
-            continue
-        base = t._base
-        found.append(
-            _Input(call, where, t, weakref.ref(t), None if base is None else weakref.ref(base),
-                   version, storage_key(t))
-        )  # fmt: skip
+        if version is not None:
+            base = None if t._base is None else weakref.ref(t._base)
+            found.append(_Input(call, where, t, weakref.ref(t), base, version, storage_key(t)))
     return found
 
 
@@ -347,11 +331,10 @@ class ReplayCheck:
             self.inside[key] = list(module.modules())
         flat = _Flattener(objects=full)
         mods = self.inside[key] if full else [module]
-        call = _Call(module, [(m, module_state(m, flat)) for m in mods], objects=full)
+        states = [(m, module_state(m, flat)) for m in mods]
         # its own attributes, objects by identity: an inner call's quick look has them already
-        call.own_start = (
-            call.states[0][1] if not full else module_state(module, _Flattener(objects=False))
-        )
+        own = module_state(module, _Flattener(objects=False)) if full else states[0][1]
+        call = _Call(module, states, objects=full, own_start=own)
         call.inputs = _inputs(call, args, kwargs)
         if self.running:
             self.running[-1].held.extend(call.inputs)
@@ -406,9 +389,8 @@ class ReplayCheck:
         around it that sets them so (RecurrentGemma's recurrent block, which resets its
         ``rg_lru.recurrent_states`` to ``None`` before calling it) replays them in its
         recompute; ``module`` itself, recomputed alone, would not: it is left out for them."""
-        if self.previous is None:
-            return set()
-        now, then = self._starts.get(id(module), []), self.previous._starts.get(id(module), [])
+        now = self._starts.get(id(module), [])
+        then = [] if self.previous is None else self.previous._starts.get(id(module), [])
         if not now or len(now) != len(then):
             return set()
         names = set.intersection(*(set(s) for s in (*now, *then)))
@@ -439,18 +421,15 @@ class ReplayCheck:
 
     def _state_reason(self, call: _Call, m: nn.Module, name: str) -> str:
         if m is not call.module:
-            return (
-                f"the Python attribute {name!r} of its submodule "
-                f"{self.paths.get(id(m), '?')!r} changes during the forward (a recompute "
-                f"would see the changed value)"
+            what = (
+                f"the Python attribute {name!r} of its submodule {self.paths.get(id(m), '?')!r} "
+                f"changes during the forward"
             )
-        before = call.states[0][1]
-        if call.own_after is None or _changed(before, call.own_after) is not None:
-            return (
-                f"its forward changes the Python attribute {name!r} (a recompute would see "
-                f"the changed value)"
+        elif call.own_after is None or _changed(call.states[0][1], call.own_after) is not None:
+            what = f"its forward changes the Python attribute {name!r}"
+        else:
+            what = (
+                f"its Python attribute {name!r} is changed by another module's forward after "
+                f"its call"
             )
-        return (
-            f"its Python attribute {name!r} is changed by another module's forward after its "
-            f"call (a recompute would see the changed value)"
-        )
+        return f"{what} (a recompute would see the changed value)"

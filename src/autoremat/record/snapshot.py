@@ -130,12 +130,8 @@ class UndoLog:
     def set_attribute(self, path: str, module: nn.Module, name: str, value: Any = _MISSING) -> None:
         """Set the instance attribute ``name`` in ``module.__dict__`` (bypassing
         ``__setattr__``), or remove it when no ``value`` is given; recorded."""
-        d = module.__dict__
-        self._entries.append((path, module, name, d.get(name, _MISSING)))
-        if value is _MISSING:
-            d.pop(name, None)
-        else:
-            d[name] = value
+        self._entries.append((path, module, name, module.__dict__.get(name, _MISSING)))
+        _put(module, name, value)
 
     def keep(self, named: Iterable[tuple[str, nn.Module]]) -> None:
         """Record each module of ``named`` (``(path, module)`` pairs) whole: its class, every
@@ -213,16 +209,15 @@ def _contents(value: Any) -> Any:
 def _refill(obj: Any, contents: Any) -> None:
     """Make the dict or set ``obj`` hold ``contents`` again (in place, only if it changed)."""
     if not contents:
-        if obj:
-            obj.clear()
+        same = not obj
     elif isinstance(obj, dict):
         now = list(obj.items())
-        if len(now) != len(contents) or any(
-            k != k0 or v is not v0 for (k, v), (k0, v0) in zip(now, contents, strict=True)
-        ):
-            obj.clear()
-            obj.update(contents)
-    elif isinstance(obj, set) and obj != contents:
+        same = len(now) == len(contents) and all(
+            k == k0 and v is v0 for (k, v), (k0, v0) in zip(now, contents, strict=True)
+        )
+    else:  # a set
+        same = obj == contents
+    if not same:
         obj.clear()
         obj.update(contents)
 
@@ -340,27 +335,6 @@ class _TensorState:
         return self.value.clone()
 
 
-class _Generators:
-    """torch's CPU and CUDA, Python's and NumPy's global random states."""
-
-    def __init__(self) -> None:
-        self.cpu = torch.random.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.host = get_host_rng()
-
-    def restore(self, failures: _Failures) -> None:
-        failures.attempt("torch's random state", lambda: torch.random.set_rng_state(self.cpu))
-        if self.cuda is not None:
-            cuda = self.cuda
-            failures.attempt("CUDA's random state", lambda: torch.cuda.set_rng_state_all(cuda))
-        elif torch.cuda.is_initialized():  # initialised by the body: as fresh generators
-            failures.attempt(
-                "CUDA's random state",
-                lambda: torch.cuda.manual_seed_all(torch.cuda.initial_seed()),
-            )
-        failures.attempt("Python's and NumPy's random states", lambda: set_host_rng(self.host))
-
-
 def fsdp_classes() -> tuple[type, ...]:
     """FSDP's module classes, when FSDP is imported (else no module can be one)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
@@ -401,7 +375,10 @@ class _Snapshot:
             for name, p in named
             if not is_lazy(p)
         ]
-        self.generators = _Generators()
+        # torch's CPU and CUDA, Python's and NumPy's global random states
+        self.cpu_rng = torch.random.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.host_rng = get_host_rng()
 
     def restore(self, during: BaseException | None) -> None:
         """Put everything back; warn about values written that have no copy; raise
@@ -416,7 +393,16 @@ class _Snapshot:
             failures.attempt(f"the .grad of {name!r}", functools.partial(_set_grad, p, grad))
             if grad is not None and version_of(grad) != version:
                 written.append(f"{name}.grad")
-        self.generators.restore(failures)
+        failures.attempt("torch's random state", lambda: torch.random.set_rng_state(self.cpu_rng))
+        cuda = self.cuda_rng
+        if cuda is not None:
+            failures.attempt("CUDA's random state", lambda: torch.cuda.set_rng_state_all(cuda))
+        elif torch.cuda.is_initialized():  # initialised by the body: as fresh generators
+            failures.attempt(
+                "CUDA's random state",
+                lambda: torch.cuda.manual_seed_all(torch.cuda.initial_seed()),
+            )
+        failures.attempt("Python's and NumPy's random states", lambda: set_host_rng(self.host_rng))
         if written:
             warnings.warn(
                 f"autoremat: the model wrote in place to {', '.join(map(repr, written[:5]))} "
