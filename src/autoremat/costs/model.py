@@ -35,7 +35,6 @@ __all__ = [
 
 MAX_RUN = 64  # longest run of Sequential children considered as one recompute
 
-Steps = tuple[tuple[int, int], ...]
 Storages = dict[int, int]  # kept output's storage key -> bytes
 
 
@@ -127,13 +126,12 @@ def released(rec: Recording, ends: dict[Node, int]) -> dict[Node, list[tuple[int
             r = parent[r]
         if r is None:
             continue
-        point = ends[r] + 1
         passed = _passed_between(rec, r, key, who, ends)
         if passed is not None:
             found[r].append((passed, key, size))
         above = parent[r]
         while above is not None and key not in rec.input_keys[above]:
-            found[above].append((point, key, size))
+            found[above].append((ends[r] + 1, key, size))
             above = parent[above]
     return found
 
@@ -151,14 +149,6 @@ def _passed_between(
     return last + 1 if last < ends[r] else None
 
 
-def _steps(changes: list[tuple[int, int]]) -> Steps:
-    """``(point, bytes)`` changes summed per point, in point order, zeros left out."""
-    total: dict[int, int] = defaultdict(int)
-    for point, size in changes:
-        total[point] += size
-    return tuple((p, b) for p, b in sorted(total.items()) if b)
-
-
 def kept_cost(rec: Recording, node: Node, kept: Storages) -> tuple[int, int]:
     """Bytes that a selective recompute of ``node`` frees less than a full one: the kept
     storages the full recompute would have freed (saved only inside it), and those nothing
@@ -171,39 +161,30 @@ def kept_cost(rec: Recording, node: Node, kept: Storages) -> tuple[int, int]:
     for key, size in kept.items():
         if key in rec.input_keys[node]:
             continue
-        if all(rec.within(p, node) for p in _savers(rec, key)):
+        if all(rec.within(p, node) for p in rec.savers.get(key, (0, ()))[1]):
             lost += size
         elif rec.kept_freed.get(key, begins + 1) <= begins:
             let_go += size
     return lost, let_go
 
 
-def _savers(rec: Recording, key: int) -> set[Node]:
-    """The nodes that saved storage ``key`` for backward (none: nothing saved it)."""
-    return rec.savers[key][1] if key in rec.savers else set()
-
-
 def held_from(
-    rec: Recording,
-    line: Timeline,
-    gone: list[tuple[int, int, int]],
-    kept: Storages,
-) -> Steps:
+    rec: Recording, line: Timeline, gone: list[tuple[int, int, int]], kept: Storages
+) -> tuple[tuple[int, int], ...]:
     """How the bytes a checkpoint of a node holds beyond the step without recompute change
     during its forward (``gone``: its :func:`released` storages; ``kept``: the outputs its
     selective way keeps, empty for a whole recompute): less what finished parts saved, which
     its forward drops; more each kept output nothing saves, from the point it was made (an
-    upper bound: the step without recompute may hold it a while too)."""
-    cached = {key for key in kept if _savers(rec, key)}
-    return _steps(
-        [(p, -size) for p, key, size in gone if key not in cached]
-        + [
-            (point, size)
-            for key, size in kept.items()
-            if not _savers(rec, key)
-            for point in [line.ended_before[rec.born[key]]]
-        ]
-    )
+    upper bound: the step without recompute may hold it a while too); summed per point, in
+    point order, zeros left out."""
+    total: dict[int, int] = defaultdict(int)
+    for point, key, size in gone:
+        if key not in kept:  # (a kept one stays in the cache)
+            total[point] -= size
+    for key, size in kept.items():
+        if key not in rec.savers:
+            total[line.ended_before[rec.born[key]]] += size
+    return tuple((p, b) for p, b in sorted(total.items()) if b)
 
 
 def recompute_peak(

@@ -62,16 +62,15 @@ META_BYTES_PER_SECOND = META_FLOPS_PER_SECOND / COST_PER_BYTE
 @dataclass(frozen=True)
 class WayCost:
     """One way to recompute a node selectively (``way``, a key of
-    :data:`autoremat.core.selective.WAYS`): what it frees, the
-    FLOPs, bytes and op seconds it runs again, how what it holds during the node's forward
-    changes, and its recompute's peak (as :class:`NodeCost`'s fields of the same names; the
-    peak also counts, at each moment of the recompute, the cached outputs nothing saves that
-    the recompute has not taken back yet; ``held`` and ``cached`` are the node's).
-    ``kept_changed``: an output this way keeps was changed
-    in place after it was made (an ``LSTMCell``'s ``addmm`` then ``add_``, a ``Linear``
-    followed by ``ReLU(inplace=True)`` inside the node): selective checkpointing would refuse
-    it in the recompute ("Tensor cached during selective activation checkpoint has been
-    mutated"), so the planner does not offer this way."""
+    :data:`autoremat.core.selective.WAYS`): what it frees, the FLOPs, bytes and op seconds it runs
+    again, how what it holds during the node's forward changes, and its recompute's peak (as
+    :class:`NodeCost`'s fields of the same names; the peak also counts, at each moment of the
+    recompute, the cached outputs nothing saves that the recompute has not taken back yet; ``held``
+    and ``cached`` are the node's). ``kept_changed``: an output this way keeps was changed in place
+    after it was made (an ``LSTMCell``'s ``addmm`` then ``add_``, a ``Linear`` followed by
+    ``ReLU(inplace=True)`` inside the node): selective checkpointing would refuse it in the
+    recompute ("Tensor cached during selective activation checkpoint has been mutated"), so the
+    planner does not offer this way."""
 
     way: str
     freed: int
@@ -161,9 +160,8 @@ class Profile:
         """The costs of node ``path``: a module that ran once, or one call ``path@k`` of a
         module that ran several times. ``KeyError`` naming the calls for such a module's path.
         """
-        found = self.costs.get(path)
-        if found is not None:
-            return found
+        if path in self.costs:
+            return self.costs[path]
         calls = self.calls_of(path)
         if calls:
             raise KeyError(
@@ -340,10 +338,7 @@ class _Assembly:
         written = own.written + sum(k.written for k in kids)
         seconds = self.times.op_time(node.path, "", own.flops, own.written)
         seconds += sum(k.op_seconds for k in kids)
-        ways = tuple(
-            self._way(node, m, way, kept[way], (flops, written, seconds), kids)
-            for m, way in enumerate(WAYS)
-        )
+        ways = tuple(self._way(node, w, kept[w], (flops, written, seconds)) for w in WAYS)
         path, line = node.path, self.line
         self.found[node] = NodeCost(
             path=path,
@@ -371,35 +366,27 @@ class _Assembly:
         )
         return kept
 
-    def _way(
-        self,
-        node: Node,
-        m: int,
-        way: str,
-        kept: Storages,
-        whole: tuple[int, int, float],
-        kids: list[NodeCost],
-    ) -> WayCost:
-        """The :class:`WayCost` of way ``way`` (the ``m``-th) for ``node``, given what a whole
-        recompute runs (``whole``: FLOPs, bytes written, op seconds)."""
+    def _way(self, node: Node, way: str, kept: Storages, whole: tuple[int, int, float]) -> WayCost:
+        """The :class:`WayCost` of way ``way`` for ``node``, given what a whole recompute runs
+        (``whole``: FLOPs, bytes written, op seconds)."""
         flops, written, seconds = whole
+        kids = [self.found[c] for c in node.children]
         mine = self.rec.own_ops[node].kept[way]
-        kept_flops = mine.flops + sum(k.flops - k.ways[m].flops for k in kids)
-        kept_written = mine.written + sum(k.written - k.ways[m].written for k in kids)
+        kept_flops = mine.flops + sum(k.flops - k.way(way).flops for k in kids)
+        kept_written = mine.written + sum(k.written - k.way(way).written for k in kids)
         kept_seconds = self.times.op_time(node.path, way, mine.flops, mine.written) + sum(
-            k.op_seconds - k.ways[m].op_seconds for k in kids
+            k.op_seconds - k.way(way).op_seconds for k in kids
         )
-        lost, let_go = cost_model.kept_cost(self.rec, node, kept)
+        rec, line = self.rec, self.line
+        lost, let_go = cost_model.kept_cost(rec, node, kept)
         freed = self.freed[node] - lost
         return WayCost(
             way=way,
             freed=freed,
             flops=flops - kept_flops,
             written=written - kept_written,
-            held_from=cost_model.held_from(self.rec, self.line, self.released[node], kept),
-            recompute_peak=cost_model.recompute_peak(
-                self.rec, self.line, node, freed, kept, let_go
-            ),
+            held_from=cost_model.held_from(rec, line, self.released[node], kept),
+            recompute_peak=cost_model.recompute_peak(rec, line, node, freed, kept, let_go),
             op_seconds=max(0.0, seconds - kept_seconds),
-            kept_changed=any(key in self.rec.changed for key in kept),
+            kept_changed=any(key in rec.changed for key in kept),
         )

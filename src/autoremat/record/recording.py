@@ -10,11 +10,10 @@ the cost model from them. Nothing here knows of plans, solvers or wraps.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -90,15 +89,15 @@ class Recording:
     """
 
     tree: Node
-    events: list[Event]
-    own_saved: dict[Node, int]
-    own_ops: dict[Node, OwnOps]
-    savers: dict[int, tuple[int, set[Node]]]
-    input_keys: dict[Node, dict[int, int]]
-    output_keys: dict[Node, set[int]]
-    born: dict[int, int]
-    last_save: dict[Node, tuple[int, int]]
-    unpacked: dict[Node, tuple[int, int]]
+    events: list[Event] = field(default_factory=list)
+    own_saved: dict[Node, int] = field(default_factory=lambda: defaultdict(int))
+    own_ops: dict[Node, OwnOps] = field(default_factory=lambda: defaultdict(OwnOps))
+    savers: dict[int, tuple[int, set[Node]]] = field(default_factory=dict)
+    input_keys: dict[Node, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
+    output_keys: dict[Node, set[int]] = field(default_factory=lambda: defaultdict(set))
+    born: dict[int, int] = field(default_factory=dict)
+    last_save: dict[Node, tuple[int, int]] = field(default_factory=dict)
+    unpacked: dict[Node, tuple[int, int]] = field(default_factory=dict)
     # changed, kept_freed (and born): the kept outputs' facts, as KeptOutputs
     # (autoremat.record.kept_outputs) notes them
     changed: set[int] = field(default_factory=set)
@@ -221,18 +220,14 @@ class _Recorder:
     model's forward (the loss) is the root's."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        tree: Node,
-        inputs: list[torch.Tensor],
-        cast_dtype: torch.dtype | None = None,
+        self, model: nn.Module, tree: Node, inputs: list[torch.Tensor], dtype: torch.dtype | None
     ) -> None:
         self.root = _call_of(tree, 0)
         self.stack: list[Node] = [self.root]
         self.memory = LiveMemory()
         self.parent: dict[Node, Node | None] = {self.root: None}
-        # grad_fns whose post-hook marks when they have run: id -> (the grad_fn, its saver)
-        self.hooked: dict[int, tuple[Any, Node]] = {}
+        # grad_fns whose post-hook marks when they have run, by id
+        self.hooked: dict[int, Any] = {}
         self.modules = {id(n.module): n for n in tree.walk()}
         self.count: dict[int, int] = defaultdict(int)
         self.preexisting = frozenset(
@@ -240,26 +235,19 @@ class _Recorder:
             for t in [*model.parameters(), *model.buffers(), *inputs]
             if (key := storage_key(t)) is not None
         )
-        self.grad_hooks: list[Any] = []
+        self.handles: list[Any] = []  # of the hooks, removed after the step
         self.progress = Progress("profiling", sum(n.calls for n in tree.walk()), "module calls")
         self.costs = OpCosts(
             self.stack,
             defaultdict(OwnOps),
             lambda: len(self.rec.events),
             self.preexisting,
-            cast_dtype,
+            dtype,
         )
         self.rec = Recording(
             tree=self.root,
-            events=[],
-            own_saved=defaultdict(int),
             own_ops=self.costs.own,
-            savers={},
-            input_keys=defaultdict(dict),
-            output_keys=defaultdict(set),
             born=self.costs.kept.born,
-            last_save={},
-            unpacked={},
             changed=self.costs.kept.changed,
             cached_casts=self.costs.cached,
             kept_freed=self.costs.kept.freed,
@@ -277,12 +265,11 @@ class _Recorder:
                 rec.last_save[node] = (len(rec.events), self.memory.peak)
                 node = self.parent[node]
         key = storage_key(t)
-        if key is None or key in self.preexisting:
-            return here, t
-        if key not in rec.savers:
-            rec.savers[key] = (t.untyped_storage().nbytes(), set())
-            rec.own_saved[here] += t.untyped_storage().nbytes()
-        rec.savers[key][1].add(here)
+        if key is not None and key not in self.preexisting:
+            if key not in rec.savers:
+                rec.savers[key] = (t.untyped_storage().nbytes(), set())
+                rec.own_saved[here] += rec.savers[key][0]
+            rec.savers[key][1].add(here)
         return here, t
 
     def unpack(self, packed: tuple[Node, torch.Tensor]) -> torch.Tensor:
@@ -304,11 +291,10 @@ class _Recorder:
         if grad_fn is None:  # not in a grad_fn: the stretch that begins now holds it
             self.mark("unpack", saver)
             return
-        hooked = self.hooked.get(id(grad_fn))
-        if hooked is not None and hooked[0] is grad_fn:
-            return
         at = id(grad_fn)
-        self.hooked[at] = (grad_fn, saver)  # (until it has run: ids are reused)
+        if self.hooked.get(at) is grad_fn:
+            return
+        self.hooked[at] = grad_fn  # (until it has run: ids are reused)
 
         def ran(_grad_inputs: Any, _grad_outputs: Any) -> None:
             self.hooked.pop(at, None)
@@ -348,11 +334,11 @@ class _Recorder:
         call.outputs = tuple(tensor_infos(out, "out"))
         self.mark("end", call)
         self.progress.step()
-        keys = (storage_key(t) for _, t in iter_tensors(out))
-        self.rec.output_keys[call].update(k for k in keys if k is not None)
-        needs_grad = [t for _, t in iter_tensors(out) if t.requires_grad]
+        tensors = [t for _, t in iter_tensors(out)]
+        self.rec.output_keys[call].update(k for t in tensors if (k := storage_key(t)) is not None)
+        needs_grad = [t for t in tensors if t.requires_grad]
         if needs_grad:
-            self.grad_hooks.append(
+            self.handles.append(
                 torch.autograd.graph.register_multi_grad_hook(
                     needs_grad, lambda _g, c=call: self.mark("backward", c), mode="any"
                 )
@@ -381,7 +367,7 @@ class SelfCheckpointingError(ValueError):
 def _call_of(node: Node, k: int, inputs: tuple[TensorInfo, ...] = ()) -> Node:
     """A node for the ``k``-th call of ``node``'s module (named ``path@k`` until the step is
     done), with no children yet."""
-    return dataclasses.replace(
+    return replace(
         node, path=call_entry(node.path, k), children=[], call=k, calls=0, inputs=inputs,
         outputs=(),
     )  # fmt: skip
@@ -402,18 +388,16 @@ def record_step(
     the recording's tree the step's calls. Hugging Face caches are off in training, as once
     wrapped (on ``meta`` too: :func:`~autoremat.core.huggingface.ordinary_positions_on_meta`),
     unless ``hf_cache``. The model is left as it was found."""
-    inputs = [t for _, t in iter_tensors((args, kwargs))]
     dtype = autocast[1] if autocast is not None else None
-    rec = _Recorder(model, tree, inputs, dtype)
-    handles = []
+    rec = _Recorder(model, tree, [t for _, t in iter_tensors((args, kwargs))], dtype)
     positions = ordinary_positions_on_meta() if meta else contextlib.nullcontext()
     cache_off = contextlib.nullcontext() if hf_cache else cache_off_in_training(model)
     saved = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
     try:
         with preserved(model, leaf_inputs(args, kwargs)), cache_off, positions:
             for m in (n.module for n in rec.modules.values()):
-                handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))
-                handles.append(m.register_forward_hook(rec.leave, with_kwargs=True))
+                rec.handles.append(m.register_forward_pre_hook(rec.enter, with_kwargs=True))
+                rec.handles.append(m.register_forward_hook(rec.leave, with_kwargs=True))
             with rec.memory, rec.costs, saved, mask_answers(rec.rec.mask_answers):
                 train_step(
                     model, args, kwargs, loss_fn, after_forward=rec.after_forward, autocast=autocast
@@ -421,6 +405,6 @@ def record_step(
             recording = rec.finish()
     finally:
         rec.costs.kept.unwatch()  # (also when the step raised)
-        for h in handles + rec.grad_hooks:
+        for h in rec.handles:
             h.remove()
     return recording

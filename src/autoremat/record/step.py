@@ -70,9 +70,7 @@ def default_loss(output: Any) -> torch.Tensor:
     Raises:
         ValueError: the output holds no floating-point tensor.
     """
-    loss = None
-    if isinstance(output, Mapping):
-        loss = output.get("loss")
+    loss = output.get("loss") if isinstance(output, Mapping) else None
     if loss is None and not isinstance(output, torch.Tensor):
         loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
@@ -149,25 +147,21 @@ def step_autocast(value: Any, model: nn.Module) -> Autocast | None:
     Raises:
         TypeError: anything else (the message gives the forms).
     """
-    if isinstance(value, torch.dtype):
-        device = model_device(model).type
-        return ("cuda" if device == "meta" else device, value)
-    if (
-        isinstance(value, tuple)
-        and len(value) == 2
-        and isinstance(value[0], str)
-        and isinstance(value[1], torch.dtype)
-    ):
-        return value
-    if value is not None:
-        raise TypeError(
-            f"autocast must be None, a dtype (torch.bfloat16) or (device_type, dtype) such as "
-            f"('cuda', torch.bfloat16); got {value!r}"
-        )
-    for device_type in ("cuda", "cpu"):  # (the caller's region: cuda first)
-        if torch.is_autocast_enabled(device_type):
-            return device_type, torch.get_autocast_dtype(device_type)
-    return None
+    match value:
+        case torch.dtype():
+            device = model_device(model).type
+            return ("cuda" if device == "meta" else device, value)
+        case tuple((str(), torch.dtype())):
+            return value
+        case None:
+            for device_type in ("cuda", "cpu"):  # (the caller's region: cuda first)
+                if torch.is_autocast_enabled(device_type):
+                    return device_type, torch.get_autocast_dtype(device_type)
+            return None
+    raise TypeError(
+        f"autocast must be None, a dtype (torch.bfloat16) or (device_type, dtype) such as "
+        f"('cuda', torch.bfloat16); got {value!r}"
+    )
 
 
 @contextlib.contextmanager

@@ -87,7 +87,7 @@ def _one_timed_forward(
     nodes: dict[int, tuple[str, nn.Module, int]],
     cuda: bool,
 ) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
-    starts: dict[str, list[float]] = defaultdict(list)
+    starts: list[float] = []  # when each call on the stack (but its root) began
     seconds: dict[str, float] = defaultdict(float)
     ops: dict[tuple[str, str], float] = defaultdict(float)
     stack = [""]
@@ -97,13 +97,11 @@ def _one_timed_forward(
         path, calls = nodes[id(module)][0], nodes[id(module)][2]
         k = count[id(module)]
         count[id(module)] += 1
-        name = call_key(path, k, calls) if k < calls else f"{path}@untimed"
-        stack.append(name)
-        starts[name].append(time.perf_counter())
+        stack.append(call_key(path, k, calls) if k < calls else f"{path}@untimed")
+        starts.append(time.perf_counter())
 
     def leave(module: nn.Module, *_: Any) -> None:
-        name = stack.pop()
-        seconds[name] += time.perf_counter() - starts[name].pop()
+        seconds[stack.pop()] += time.perf_counter() - starts.pop()
 
     with contextlib.ExitStack() as hooks:  # (a hook's handle removes it on exit)
         for node in nodes.values():

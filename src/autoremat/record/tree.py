@@ -179,20 +179,15 @@ class ExampleInputsError(ValueError, RuntimeError):
 
 
 def build_tree(
-    model: nn.Module,
-    args: tuple[Any, ...] | Any = (),
-    kwargs: dict[str, Any] | None = None,
+    model: nn.Module, args: tuple[Any, ...] | Any = (), kwargs: dict[str, Any] | None = None
 ) -> Node:
-    """Run ``model(*args, **kwargs)`` once and return the tree of the modules that ran.
+    """Run ``model(*args, **kwargs)`` once and return the tree of the modules that ran (claim 1).
 
-    This is claim 1 of the method: extraction of the computation modules and creation of the
-    multi-way tree. The forward pass runs without gradients and the model is left exactly as it
-    was found (buffers such as BatchNorm statistics, training mode, gradients, the global RNG
-    state, the modules' Python attributes; see :func:`autoremat.record.snapshot.preserved`).
-    ``args`` may be a single tensor. The same run finds what a recompute of each module could
-    not replay (``Node.replay_reason`` and ``inplace_reason``), with a second, detailed forward
-    when that one changed Python state (:mod:`autoremat.record.side_effects` says how, and
-    what it costs).
+    The forward pass runs without gradients and the model is left exactly as it was found
+    (:func:`autoremat.record.snapshot.preserved`). ``args`` may be a single tensor. The same run
+    finds what a recompute of each module could not replay (``Node.replay_reason`` and
+    ``inplace_reason``), with a second, detailed forward when that one changed Python state
+    (:mod:`autoremat.record.side_effects` says how, and what it costs).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
