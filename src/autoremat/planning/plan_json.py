@@ -22,6 +22,7 @@ import math
 import os
 import re
 import reprlib
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +65,7 @@ _BRACKETS = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b'[]{}"')
 _CHUNK = 2**16
 _HEX16 = re.compile(r"[0-9a-f]{16}")
+_COUNTS = ("segments", "budget", "estimated_peak", "baseline_peak", "recompute_flops")
 
 
 def _shown(value: Any) -> str:
@@ -115,8 +117,6 @@ def fields_from_json(text: str, where: str = "the text") -> dict[str, Any]:
     def refuse(why: str) -> ValueError:
         return ValueError(f"{where} is not a saved plan: {why}")
 
-    if len(text) > MAX_PLAN_BYTES:
-        raise refuse(f"longer than {MAX_PLAN_BYTES} characters, the most autoremat reads")
     why = _shape_refusal(text)
     if why is not None:
         raise refuse(why)
@@ -132,11 +132,14 @@ def _no_constant(name: str) -> Any:
 
 
 def _shape_refusal(text: str) -> str | None:
-    """Why ``text`` is no plan, seen before parsing it, or ``None``: its nesting, or its count
-    of arrays and objects (at most one per :data:`MIN_CONTAINER_CHARS` characters), or brackets
-    that do not match. All but brackets is dropped, then the innermost pairs,
-    :data:`MAX_JSON_DEPTH` times: linear, never recursive. Text that is not JSON may pass
-    (``json.loads`` refuses it next), but no JSON nested too deep does."""
+    """Why ``text`` is no plan, seen before parsing it, or ``None``: its length (at most
+    :data:`MAX_PLAN_BYTES` characters), its nesting, or its count of arrays and objects (at most
+    one per :data:`MIN_CONTAINER_CHARS` characters), or brackets that do not match. All but
+    brackets is dropped, then the innermost pairs, :data:`MAX_JSON_DEPTH` times: linear, never
+    recursive. Text that is not JSON may pass (``json.loads`` refuses it next), but no JSON
+    nested too deep does."""
+    if len(text) > MAX_PLAN_BYTES:
+        return f"longer than {MAX_PLAN_BYTES} characters, the most autoremat reads"
     brackets = _outside_brackets(text)
     containers = brackets.count(b"[")
     for _ in range(MAX_JSON_DEPTH):
@@ -204,11 +207,7 @@ def fields_from_dict(data: Any, where: str = "the data") -> dict[str, Any]:
         "modules": modules,
         "strategy": strategy,
         "model_class": model_class,
-        "segments": fields.count("segments"),
-        "budget": fields.count("budget"),
-        "estimated_peak": fields.count("estimated_peak"),
-        "baseline_peak": fields.count("baseline_peak"),
-        "recompute_flops": fields.count("recompute_flops"),
+        **{key: fields.count(key) for key in _COUNTS},
         "objective": objective,
         "recompute_seconds": fields.seconds("recompute_seconds"),
         "choices": _choices(fields, modules, selective),
@@ -259,12 +258,8 @@ class _Fields:
 
 
 def _is_seconds(value: Any) -> bool:
-    return (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and 0 <= value <= MAX_COUNT
-        and math.isfinite(value)
-    )
+    finite = isinstance(value, float) and math.isfinite(value)
+    return _is_count(value) or (finite and 0 <= value <= MAX_COUNT)
 
 
 def _is_count(value: Any) -> bool:
@@ -308,11 +303,7 @@ def _modules(fields: _Fields, paths: set[str]) -> tuple[str, ...]:
     """The plan's entries, each a module of ``paths`` or a run within its children, and none
     inside another; runs are checked arithmetically, never expanded."""
     modules = fields.strings("modules")
-    children: dict[str, int] = {}
-    for path in paths:
-        if path:
-            parent = path.rpartition(".")[0]
-            children[parent] = children.get(parent, 0) + 1
+    children = Counter(path.rpartition(".")[0] for path in paths if path)
     for entry in modules:
         if not ENTRY.fullmatch(entry):
             raise fields.bad(
@@ -323,7 +314,7 @@ def _modules(fields: _Fields, paths: set[str]) -> tuple[str, ...]:
             raise fields.bad(
                 f"module entry {_shown(entry)} is not a module of the plan's 'structure'"
             )
-        if run is not None and not (run[0] in paths and run[1] < run[2] <= children.get(run[0], 0)):
+        if run is not None and not (run[0] in paths and run[1] < run[2] <= children[run[0]]):
             raise fields.bad(
                 f"module entry {_shown(entry)} is not a run of children of a module of the plan's "
                 f"'structure' (path[i:j] with i < j <= its number of children)"

@@ -68,11 +68,6 @@ def way_seconds(prof: Profile, cost: NodeCost, way: str) -> float:
     return cost.way(way).op_seconds + cost.ops * prof.selective_op_overhead
 
 
-def _buffer_bytes(module: nn.Module) -> int:
-    # the wrap copies the module's buffers around each recompute (autoremat.wrap)
-    return sum(b.numel() * b.element_size() for b in module.buffers())
-
-
 class _Builder:
     def __init__(
         self, prof: Profile, selective: bool, objective: str, skipped: dict[str, str], rng: int
@@ -80,9 +75,10 @@ class _Builder:
         self.prof, self.selective, self.objective = prof, selective, objective
         self.skipped, self.rng = skipped, rng  # (rng: the RNG state's bytes a checkpoint keeps)
 
-    def peak(self, recompute_peak: int, buffers: int) -> int:
-        """A recompute's peak with the buffers the wrap copies and its two RNG states (none
-        when its backward never ran)."""
+    def peak(self, recompute_peak: int, *modules: nn.Module) -> int:
+        """A recompute's peak with the buffers of ``modules``, which the wrap copies around
+        each recompute, and its two RNG states (none when its backward never ran)."""
+        buffers = sum(b.numel() * b.element_size() for m in modules for b in m.buffers())
         return recompute_peak + buffers + 2 * self.rng if recompute_peak else 0
 
     def timed(self, cost: NodeCost, way: str) -> float | None:
@@ -102,7 +98,7 @@ class _Builder:
             flops=cost.flops,
             candidate=reason is None,
             children=tuple(self.build(c) for c in kids),
-            recompute_peak=self.peak(cost.recompute_peak, _buffer_bytes(node.module)),
+            recompute_peak=self.peak(cost.recompute_peak, node.module),
             runs=self.runs(cost, kids),
             written=cost.written,
             held=cost.held + self.rng,
@@ -118,18 +114,18 @@ class _Builder:
         run's inputs; the others' are made inside the run)."""
         found = []
         for r in cost.runs:
-            if kids[r.i].inplace_reason or any(c.replay_reason for c in kids[r.i : r.j]):
+            run = kids[r.i : r.j]
+            if run[0].inplace_reason or any(c.replay_reason for c in run):
                 continue
-            parts = [self.prof[c.path] for c in kids[r.i : r.j]]
+            parts = [self.prof[c.path] for c in run]
             seconds = [self.timed(c, FULL) for c in parts]
-            buffers = sum(_buffer_bytes(c.module) for c in kids[r.i : r.j])
             item = Item(
                 path=f"{cost.path}[{r.i}:{r.j}]",
                 start=parts[0].start,
                 end=parts[-1].end,
                 freed=r.freed - self.rng,
                 flops=sum(c.flops for c in parts),
-                recompute_peak=self.peak(r.recompute_peak, buffers),
+                recompute_peak=self.peak(r.recompute_peak, *(c.module for c in run)),
                 written=sum(c.written for c in parts),
                 held=r.held + self.rng,
                 cached=r.cached,
@@ -146,23 +142,21 @@ class _Builder:
         for way in cost.ways if self.selective else ():
             if way.freed <= 0 or way.flops >= cost.flops or way.kept_changed:
                 continue  # frees nothing, keeps nothing worth keeping, or would fail
-            key = (way.freed - self.rng, way.flops, way.held_from)  # (as the items have them)
-            if any((o.freed, o.flops, o.held_from) == key for o in found):
-                continue  # the same as a way already offered (no batched matmuls here)
-            found.append(
-                Item(
-                    path=node.path,
-                    start=cost.start,
-                    end=cost.end,
-                    freed=way.freed - self.rng,
-                    flops=way.flops,
-                    recompute_peak=self.peak(way.recompute_peak, _buffer_bytes(node.module)),
-                    written=way.written,
-                    held=cost.held + self.rng,
-                    held_from=way.held_from,
-                    cached=cost.cached,
-                    way=way.way,
-                    seconds=self.timed(cost, way.way),
-                )
+            item = Item(
+                path=node.path,
+                start=cost.start,
+                end=cost.end,
+                freed=way.freed - self.rng,
+                flops=way.flops,
+                recompute_peak=self.peak(way.recompute_peak, node.module),
+                written=way.written,
+                held=cost.held + self.rng,
+                held_from=way.held_from,
+                cached=cost.cached,
+                way=way.way,
+                seconds=self.timed(cost, way.way),
             )
+            key = (item.freed, item.flops, item.held_from)
+            if all((o.freed, o.flops, o.held_from) != key for o in found):
+                found.append(item)  # (else the same as one offered: no batched matmuls here)
         return tuple(found)

@@ -10,6 +10,7 @@ is refused. :meth:`Plan.save` and :meth:`Plan.load` write and read it as JSON
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import logging
 import os
@@ -37,6 +38,9 @@ from autoremat.wrap.wrapping import apply as wrap_apply
 __all__ = ["Plan"]
 
 logger = logging.getLogger(__name__)
+# The fields to_dict writes as they are, in its order.
+_FIGURES = ("segments", "budget", "estimated_peak", "baseline_peak", "recompute_flops",
+            "objective", "recompute_seconds")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -146,13 +150,7 @@ class Plan:
             "fingerprint": self.fingerprint,
             "strategy": self.strategy,
             "modules": list(self.modules),
-            "segments": self.segments,
-            "budget": self.budget,
-            "estimated_peak": self.estimated_peak,
-            "baseline_peak": self.baseline_peak,
-            "recompute_flops": self.recompute_flops,
-            "objective": self.objective,
-            "recompute_seconds": self.recompute_seconds,
+            **{name: getattr(self, name) for name in _FIGURES},
             "choices": [asdict(c) for c in self.choices],
             "selective": {path: list(ops) for path, ops in self.selective.items()},
             "left_out": dict(self.left_out),
@@ -281,39 +279,26 @@ class Plan:
 def _grouped(choices: Sequence[Choice], calls: dict[str, int]) -> list[Choice]:
     """The choices as :meth:`Plan.table` shows them: consecutive calls of one module chosen
     the same way as one row ``path@i..j`` (``(n of N calls)``), their figures summed."""
-    rows: list[Choice] = []
-    group: list[tuple[int, Choice]] = []
 
-    def flush() -> None:
-        if len(group) == 1:
-            rows.append(group[0][1])
-        elif group:
-            path = parse_call(group[0][1].path)[0]  # type: ignore[index]
-            first, last = group[0][0], group[-1][0]
-            label = f"{path}@{first}..{last} ({len(group)} of {calls.get(path, '?')} calls)"
-            seconds = [c.seconds for _, c in group]
-            rows.append(
-                Choice(
-                    label,
-                    sum(c.freed for _, c in group),
-                    sum(c.flops for _, c in group),
-                    group[0][1].way,
-                    None if None in seconds else sum(s or 0.0 for s in seconds),
-                )
-            )
-        group.clear()
-
-    for c in choices:
+    def key(numbered: tuple[int, Choice]) -> tuple[Any, ...]:
+        # (calls k, k+1, ... at places n, n+1, ... share k - n; any other choice is alone)
+        n, c = numbered
         call = parse_call(c.path)
-        head = parse_call(group[0][1].path) if group else None
-        same = head is not None and call is not None and head[0] == call[0]
-        if not (same and group[0][1].way == c.way and call[1] == group[-1][0] + 1):  # type: ignore[index]
-            flush()
-        if call is None:
-            rows.append(c)
-        else:
-            group.append((call[1], c))
-    flush()
+        return (c.path, n) if call is None else (call[0], c.way, call[1] - n)
+
+    rows: list[Choice] = []
+    for _, numbered in itertools.groupby(enumerate(choices), key):
+        group = [c for _, c in numbered]
+        call = parse_call(group[0].path)
+        if len(group) == 1 or call is None:
+            rows += group
+            continue
+        (path, first), count = call, len(group)
+        label = f"{path}@{first}..{first + count - 1} ({count} of {calls.get(path, '?')} calls)"
+        seconds = [c.seconds for c in group]
+        total = None if None in seconds else sum(s or 0.0 for s in seconds)
+        freed, flops = sum(c.freed for c in group), sum(c.flops for c in group)
+        rows.append(Choice(label, freed, flops, group[0].way, total))
     return rows
 
 

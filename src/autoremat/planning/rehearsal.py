@@ -74,9 +74,8 @@ class PlanFields:
 # How a rehearsal runs the step (docs/cost-model.md).
 WAYS = ("meta", "fake", "real", "allocator")
 # A step on the CPU is run for real when its forward's ops took less than this each, as the
-# profile timed them: a step on fake tensors costs about 1.8 ms per forward op (forward,
-# backward, bookkeeping: measured on the examples, 2 cores), a real one about three times the
-# op's time and 0.4 ms of the tracker's.
+# profile timed them (docs/cost-model.md, "real"; fake tensors' forward, backward and
+# bookkeeping measured on the examples, 2 cores).
 REAL_SECONDS_PER_OP = 4.5e-4
 
 
@@ -156,14 +155,12 @@ class Rehearsal:
 
     def _on_shadow(self, plan: PlanFields | None, watch: Watch | None) -> LiveMemory:
         shadow, args, kwargs, mode = self._shadow or self._made()
-        fixes = CpuStatistics() if self.way == "fake" else contextlib.nullcontext()
-        answers = list(self.step.mask_answers)
         with (
-            mask_answers(answers, replay=True),
+            mask_answers(list(self.step.mask_answers), replay=True),
             quiet(),
             mode or contextlib.nullcontext(),
             ordinary_positions_on_meta(),
-            fixes,
+            CpuStatistics() if self.way == "fake" else contextlib.nullcontext(),
             _applied(shadow, plan),
             LiveMemory.counting_as(self.counted_as, trace=watch is not None) as tracked,
             contextlib.nullcontext() if watch is None else watch(shadow, tracked),
@@ -173,26 +170,22 @@ class Rehearsal:
 
     def _made(self) -> tuple[nn.Module, Any, Any, Any]:
         """The shadow, its inputs and the fake mode they live in (``None`` on ``meta``)."""
-        model = self.step.model
-        found: tuple[nn.Module, Any, Any, Any]
+        step = self.step
         if self.way == "meta":
-            found = (meta_shadow(model), self.step.args, self.step.kwargs, None)
-        else:
-            from torch._subclasses.fake_tensor import FakeTensorMode
+            self._shadow = (meta_shadow(step.model), step.args, step.kwargs, None)
+            return self._shadow
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            with mode:
-                shadow = meta_shadow(model, device=self.where.type)
-                args, kwargs = tree_map(_fake, (self.step.args, self.step.kwargs))
-            found = (shadow, args, kwargs, mode)
-        self._shadow = found
-        return found
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            shadow = meta_shadow(step.model, device=self.where.type)
+            args, kwargs = tree_map(_fake, (step.args, step.kwargs))
+        self._shadow = (shadow, args, kwargs, mode)
+        return self._shadow
 
     def _autocast(self) -> Any:
         cast = self.step.autocast
-        if cast is None or self.where.type == "meta":
-            return cast
-        return (self.where.type, cast[1])
+        return cast if cast is None or self.where.type == "meta" else (self.where.type, cast[1])
 
     def _real(self, plan: PlanFields | None, watch: Watch | None) -> Any:
         """The step of the model itself, ``plan`` applied and removed, left as found."""
@@ -243,20 +236,13 @@ _STATISTICS = {
 }
 # backward op -> the indexes of its forward input and of its weight among its arguments: its
 # first output, the input's gradient, is in the input's dtype
-_GRADIENTS = {
-    torch.ops.aten.native_group_norm_backward.default: (1, 4),
-}
+_GRADIENTS = {torch.ops.aten.native_group_norm_backward.default: (1, 4)}
+_HALF_FLOATS = (torch.bfloat16, torch.float16)
 
 
 def _mixed(x: Any, weight: Any) -> bool:
-    low = (torch.bfloat16, torch.float16)
-    return (
-        isinstance(x, torch.Tensor)
-        and x.device.type == "cpu"
-        and x.dtype in low
-        and isinstance(weight, torch.Tensor)
-        and weight.dtype == torch.float32
-    )
+    low_on_cpu = isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype in _HALF_FLOATS
+    return low_on_cpu and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
 
 
 def _fake(value: Any) -> Any:
@@ -300,16 +286,15 @@ def quiet() -> Iterator[None]:
     """The notes a planned step gives (Hugging Face's ``use_cache`` note, the wrap's note on a
     model's own checkpointing, warnings about fake tensors) kept off the user's screen:
     :func:`autoremat.plan` says what matters."""
-    quieted = (huggingface.logger, wrapping.logger)
-    levels = [q.level for q in quieted]
-    for q in quieted:
+    levels = {q: q.level for q in (huggingface.logger, wrapping.logger)}
+    for q in levels:
         q.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        for q, level in zip(quieted, levels, strict=True):
+        for q, level in levels.items():
             q.setLevel(level)
 
 

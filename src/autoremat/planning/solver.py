@@ -107,9 +107,7 @@ class Item:
 
     def wholes(self) -> list[Item]:
         """The ways to recompute this node whole that free bytes: itself and its other ways."""
-        if not self.candidate:
-            return []
-        return [i for i in (self, *self.other_ways) if i.freed > 0]
+        return [i for i in (self, *self.other_ways) if i.freed > 0] if self.candidate else []
 
     @property
     def run_items(self) -> tuple[tuple[int, int, Item], ...]:
@@ -118,10 +116,7 @@ class Item:
         return tuple(r for r in self.runs if r[2].freed > 0) if self.candidate else ()
 
     def walk(self) -> list[Item]:
-        out = [self]
-        for child in self.children:
-            out.extend(child.walk())
-        return out
+        return [self, *(item for child in self.children for item in child.walk())]
 
 
 class Infeasible(ValueError):
@@ -209,18 +204,12 @@ def solve(
     states = solver.check(solver.run(root, states), root.end, solver.top)
     if not states:
         raise Infeasible(f"no recompute plan has a predicted peak <= {budget} bytes")
-    best = min(states, key=lambda s: s[1])
-    return sorted(_chosen(best), key=lambda i: i.end)
-
-
-def _chosen(state: _State) -> list[Item]:
-    """The items of ``state``'s chosen list, last chosen first."""
     chosen: list[Item] = []
-    link = state[3]
+    link = min(states, key=lambda s: s[1])[3]  # (the cheapest state's chosen list)
     while link is not None:
         chosen.append(link[0])
         link = link[1]
-    return chosen
+    return sorted(chosen, key=lambda i: i.end)
 
 
 class _Solver:
@@ -246,17 +235,14 @@ class _Solver:
         for p, b in points:
             self.after[p] = max(self.after[p], b)
         self.need = [max(d, a) for d, a in zip(self.during, self.after, strict=True)]
+        items = root.walk()
+        wholes = [w for i in items for w in (i, *i.other_ways)]
         # Bytes freed beyond the largest excess over the budget are worth no more.
-        self.cap = max(
-            0,
-            max(self.need) - budget,
-            *(w.recompute_peak - budget for i in root.walk() for w in (i, *i.other_ways)),
-        )
+        self.cap = max(0, max(self.need) - budget, *(w.recompute_peak - budget for w in wholes))
         self.grid = max(1, -(-self.cap // MAX_STATES))
         # some item frees less in the forward than after it: states carry both
-        self.phased = any(w.cached for i in root.walk() for w in (i, *i.other_ways)) or any(
-            r.cached for i in root.walk() for _, _, r in i.runs
-        )
+        runs = [r for i in items for _, _, r in i.runs]
+        self.phased = any(w.cached for w in (*wholes, *runs))
         self.counter = itertools.count()
         self.useful: dict[int, bool] = {}
         self._mark(root)
@@ -316,8 +302,7 @@ class _Solver:
         for i, j, whole in item.run_items:
             runs.setdefault(i, []).append((j, whole))
         # arriving[k]: states that have passed children 0..k-1 (k = len(kids): all of them)
-        arriving: list[list[list[_State]]] = [[] for _ in range(len(kids) + 1)]
-        arriving[0] = [states]
+        arriving: list[list[list[_State]]] = [[states], *([] for _ in kids)]
         cursor = item.start
         for k, child in enumerate(kids):
             here = self.check(_merge(arriving[k], self.grid, self.phased), cursor, child.start)

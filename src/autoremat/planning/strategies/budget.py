@@ -236,15 +236,11 @@ def fields_for(prof: Profile, chosen: list[Item]) -> PlanFields:
 
 def _fields_of(prof: Profile, choices: tuple[Choice, ...]) -> PlanFields:
     """What a rehearsal applies for the plan entries ``choices``."""
+    called = [call[0] for c in choices if (call := parse_call(c.path)) is not None]
     return PlanFields(
         modules=tuple(c.path for c in choices),
         selective={c.path: WAYS[c.way] for c in choices if c.way in WAYS},
-        calls={
-            path: len(prof.calls_of(path))
-            for c in choices
-            if (call := parse_call(c.path)) is not None
-            for path in [call[0]]
-        },
+        calls={path: len(prof.calls_of(path)) for path in called},
     )
 
 
