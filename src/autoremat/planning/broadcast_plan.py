@@ -71,7 +71,4 @@ def broadcast_plan(plan: Plan | None, src: int = 0, group: Any = None) -> Plan:
             f"autoremat.broadcast_plan: rank {src} (the src rank) passed {data}; "
             f"make the plan on rank {src} (autoremat.plan(model, ...)) and pass it there"
         )
-    if dist.get_rank() == src:
-        assert isinstance(plan, Plan)
-        return plan
-    return Plan.from_dict(data)
+    return plan if dist.get_rank() == src and isinstance(plan, Plan) else Plan.from_dict(data)

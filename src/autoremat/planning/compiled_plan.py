@@ -80,8 +80,7 @@ class CompiledRehearsal:
 
     @property
     def how(self) -> str:
-        backend = self.options["backend"]
-        return f"compiled with torch.compile(backend={backend!r}), by the allocator"
+        return f"compiled with torch.compile(backend={self.options['backend']!r}), by the allocator"
 
 
 def compiled_plan(
@@ -107,10 +106,9 @@ def compiled_plan(
             the lowest compiled peak found.
         ValueError, TypeError: as :func:`autoremat.plan`.
     """
-    how = {"backend": backend, "loss_fn": loss_fn, "inductor_config": inductor_config}
-    rehearsal = CompiledRehearsal(model, args, kwargs or {}, how)
+    options = {"backend": backend, "loss_fn": loss_fn, "inductor_config": inductor_config}
     chosen = activation_plan(
         model, args, kwargs, budget=budget, loss_fn=loss_fn, selective=selective,
-        objective=objective, rehearsal=rehearsal,
+        objective=objective, rehearsal=CompiledRehearsal(model, args, kwargs or {}, options),
     )  # fmt: skip
     return dataclasses.replace(chosen, compiled_peak=chosen.estimated_peak)

@@ -26,8 +26,7 @@ def fingerprint(model: nn.Module) -> str:
 
 
 def structure_fingerprint(lines: Sequence[str]) -> str:
-    """The :func:`fingerprint` of a model whose :func:`structure` is ``lines``: 16 hex
-    digits.
+    """The :func:`fingerprint` of a model whose :func:`structure` is ``lines``: 16 hex digits.
 
     Raises:
         UnicodeEncodeError: a line holds a lone surrogate (never a model's structure).

@@ -60,18 +60,20 @@ def activation_plan(
     The model is left as found; what the strategy has to say is in :attr:`Plan.warnings`.
 
     Raises:
-        ValueError: ``segments`` negative; a malformed or
-            non-positive budget (the message lists the accepted forms); a budget below the
-            lowest peak any plan reaches (:class:`autoremat.BudgetTooLow`,
-            whose ``lowest`` is that peak); no submodule ran.
+        ValueError: ``segments`` negative; a malformed or non-positive budget (the message
+            lists the accepted forms); a budget below the lowest peak any plan reaches
+            (:class:`autoremat.BudgetTooLow`, whose ``lowest`` is that peak); no submodule ran.
         TypeError: ``segments`` not an int, ``budget`` of another type, or ``model`` not an
             ``nn.Module``.
         ExampleInputsError: (a ValueError) the example inputs fail in forward; the message
             names the module.
     """
     name = type(model).__name__
+    if budget is None and segments is None:
+        segments = levels_strategy.DEFAULT_SEGMENTS
+    strategy = STRATEGIES["segments" if budget is None else "budget"]
     request = Request(name, segments, budget, loss_fn, selective, objective, autocast, rehearsal)
-    strategy, request = _strategy_for(request)
+    request = strategy.check(request)
     evidence, tree = _evidence(strategy, model, args, kwargs, request)
     return _made(model, strategy.name, tree, strategy.choose(evidence, request))
 
@@ -87,15 +89,6 @@ def _made(model: nn.Module, strategy: str, tree: Node | None, fields: dict[str, 
         tree=tree,
         **fields,
     )
-
-
-def _strategy_for(request: Request) -> tuple[Strategy, Request]:
-    """The strategy ``request`` selects (levels with the default count when it names none),
-    and the request as that strategy checked it."""
-    if request.budget is None and request.segments is None:
-        request = dataclasses.replace(request, segments=levels_strategy.DEFAULT_SEGMENTS)
-    strategy = STRATEGIES["budget" if request.budget is not None else "segments"]
-    return strategy, strategy.check(request)
 
 
 def _evidence(

@@ -129,10 +129,7 @@ def lowest(
     :func:`floor` is above the least peak run so far, or equal to it and the plan no cheaper
     than the one that ran there, cannot win, and is not run; the walk's plan runs first (the
     likeliest lowest), then the others by their floors."""
-    candidates = [(), *seeds]
-    found = walk.plan(walk.lowest)
-    if found is not None:
-        candidates.insert(0, found)
+    candidates = [c for c in (walk.plan(walk.lowest), (), *seeds) if c is not None]
     floored = [(floor(walk, c) if bounded else 0, c) for c in candidates]  # (each found once)
     if bounded:
         floored = floored[:1] + sorted(floored[1:], key=lambda fc: fc[0])
@@ -153,11 +150,9 @@ def floor(walk: Walk, chosen: Chosen) -> int:
     """A lower bound of the peak of the step with ``chosen`` recomputed: at each point of the
     step without recompute, its bytes less all that the items begun by then saved (the most
     one can free: :attr:`Item.freed` + :attr:`Item.held`), the most of these."""
+    points = (*walk.after, *walk.forward)
     return max(
-        (
-            b - sum(max(0, i.freed + i.held) for i in chosen if i.start <= p)
-            for p, b in (*walk.after, *walk.forward)
-        ),
+        (b - sum(max(0, i.freed + i.held) for i in chosen if i.start <= p) for p, b in points),
         default=0,
     )
 
@@ -171,20 +166,15 @@ def hand_plans(root: Item, groups: Sequence[Sequence[str]]) -> list[Chosen]:
     repeated plans left out."""
     plans: list[tuple[Item, ...]] = []
     for blocks in groups:
-        calls = [
-            i for i in root.walk() if any(i.path == b or i.path.startswith(f"{b}@") for b in blocks)
-        ]
+        called = tuple(f"{b}@" for b in blocks)  # (``path@k``: a call of a block that ran again)
+        calls = [i for i in root.walk() if i.path in blocks or i.path.startswith(called)]
         plans.append(tuple(i for i in calls if i.candidate))
         plans.append(tuple(c for i in calls for c in i.children if c.candidate))
     shared: dict[str, list[Item]] = {}
     _called_again(root, shared)
     plans += [tuple(i for i in found if i.candidate) for found in shared.values()]
-    unique: dict[tuple[int, ...], Chosen] = {}
-    for plan in plans:
-        ordered = tuple(sorted(plan, key=lambda i: i.end))
-        if ordered:
-            unique.setdefault(tuple(map(id, ordered)), ordered)
-    return list(unique.values())
+    ordered = (tuple(sorted(plan, key=lambda i: i.end)) for plan in plans)
+    return list({tuple(map(id, plan)): plan for plan in ordered if plan}.values())
 
 
 def _called_again(item: Item, found: dict[str, list[Item]]) -> None:

@@ -34,10 +34,9 @@ def choose_levels(root: Node, segments: int, left_out: dict[str, str] | None = N
         TypeError: ``segments`` is not an int.
     """
     _check(Request("", segments))
-    met: dict[str, str] = {} if left_out is None else left_out
     mandatory: list[Node] = []
     scheme: list[Node] = []
-    level = _dissolved([root], met)
+    level = _dissolved([root], left_out)
     while level:
         others: list[Node] = []
         for node in level:
@@ -50,7 +49,7 @@ def choose_levels(root: Node, segments: int, left_out: dict[str, str] | None = N
         scheme = mandatory + others
         if len(scheme) > segments:
             return scheme
-        level = _dissolved([child for node in others for child in node.children], met)
+        level = _dissolved([child for node in others for child in node.children], left_out)
     return scheme
 
 
