@@ -133,14 +133,12 @@ class Plan:
             shown = ", ".join(repr(x if x[:1] != " " else "(root)" + x) for x in lines[:5])
             return shown + (f" and {total - 5} more" if total > 5 else "")
 
-        detail = []
-        if missing:
-            detail.append(f"the plan's modules {names(missing, count)} no longer exist")
-        if gone:
-            detail.append(f"modules no longer there: {names(gone)}")
-        if new:
-            detail.append(f"new modules: {names(new)}")
-        return detail
+        parts = [
+            ("the plan's modules {} no longer exist", missing, count),
+            ("modules no longer there: {}", gone, None),
+            ("new modules: {}", new, None),
+        ]
+        return [text.format(names(lines, total)) for text, lines, total in parts if lines]
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain JSON data (what :meth:`save` writes; no tree)."""
@@ -328,12 +326,7 @@ def _missing(entries: Sequence[str], paths: Sequence[str]) -> tuple[list[str], i
         present = indices.get(parent, [])
         lo, hi = bisect.bisect_left(present, i), bisect.bisect_left(present, j)
         count += max(j - i, 0) - (hi - lo)
-        k, named = i, 0
-        while k < j and named < 5:
-            if lo < hi and present[lo] == k:
-                lo += 1
-            else:
-                shown.append(covered(run_entry(parent, k, k + 1))[0])
-                named += 1
-            k += 1
+        inside = set(present[lo:hi])
+        absent = (k for k in range(i, j) if k not in inside)
+        shown += [covered(run_entry(parent, k, k + 1))[0] for k in itertools.islice(absent, 5)]
     return sorted(shown)[:5], count

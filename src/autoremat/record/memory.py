@@ -347,8 +347,7 @@ class CpuAllocatorMemory:
     """
 
     def __init__(self) -> None:
-        self.current = 0
-        self.peak = 0
+        self.current = self.peak = 0
         self.marks: dict[str, int] = {}
         self.highs: dict[str, int] = {}
         self._profile: Any = None

@@ -238,11 +238,7 @@ class _Recorder:
         self.handles: list[Any] = []  # of the hooks, removed after the step
         self.progress = Progress("profiling", sum(n.calls for n in tree.walk()), "module calls")
         self.costs = OpCosts(
-            self.stack,
-            defaultdict(OwnOps),
-            lambda: len(self.rec.events),
-            self.preexisting,
-            dtype,
+            self.stack, defaultdict(OwnOps), lambda: len(self.rec.events), self.preexisting, dtype
         )
         self.rec = Recording(
             tree=self.root,

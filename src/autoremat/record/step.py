@@ -75,17 +75,15 @@ def default_loss(output: Any) -> torch.Tensor:
         loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
-    total: torch.Tensor | None = None
-    for _, t in iter_tensors(output):
-        if t.is_floating_point():
-            part = t.sum(dtype=torch.float32)
-            total = part if total is None else total + part
+    # each tensor summed, then added, one at a time (sum takes the generator lazily)
+    parts = (t.sum(dtype=torch.float32) for _, t in iter_tensors(output) if t.is_floating_point())
+    total = next(parts, None)
     if total is None:
         raise ValueError(
             f"default_loss found no floating-point tensor in the model output "
             f"({type(output).__name__}); pass loss_fn=... that turns the output into a scalar"
         )
-    return total
+    return sum(parts, total)
 
 
 def check_loss(loss: Any) -> torch.Tensor:

@@ -252,8 +252,7 @@ def choices_for(prof: Profile, chosen: list[Item]) -> tuple[Choice, ...]:
     found = [Choice(i.path, i.freed, i.flops, i.way, recompute_seconds(prof, i)) for i in chosen]
     by_module: dict[str, list[Choice]] = {}
     for c in found:
-        call = parse_call(c.path)
-        if call is not None:
+        if (call := parse_call(c.path)) is not None:
             by_module.setdefault(call[0], []).append(c)
     whole = {
         path: calls
