@@ -44,8 +44,6 @@ def alive_until_after(
     the attention's output, which the intermediate block's Linear saved."""
     if key in rec.output_keys[rec.tree]:
         return True  # the model returns it and holds it
-    if key not in rec.savers:
-        return False
     begin = line.spans[first][0]
-    earlier = any(line.spans[s][1] < begin for s in rec.savers[key][1])
+    earlier = key in rec.savers and any(line.spans[s][1] < begin for s in rec.savers[key][1])
     return earlier and all(rec.within(holder, f) for f in freers)

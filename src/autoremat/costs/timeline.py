@@ -53,14 +53,8 @@ def timeline(tree: Node, events: list[Event], unpacked: dict[Node, int]) -> Time
     ended_before = [bisect_left(ends, i) for i in range(len(events) + 1)]
     spans = {n: (ended_before[first_start[n]], index[n]) for n in tree.walk()}
     forward, backward, backward_now = _points(events, index, ended_before, unpacked)
-    return Timeline(
-        spans=spans,
-        forward_points=forward,
-        backward_points=backward,
-        events={node: (first_start[node], last_end[node]) for node in last_end},
-        backward_now=backward_now,
-        ended_before=ended_before,
-    )
+    firsts_lasts = {node: (first_start[node], last_end[node]) for node in last_end}
+    return Timeline(spans, forward, backward, firsts_lasts, backward_now, ended_before)
 
 
 def _points(
@@ -74,8 +68,7 @@ def _points(
     prefix = len(index)  # nodes 0..prefix-1 have all not begun their backward
     for i, (kind, node, peak, now) in enumerate(events):
         # the peak was reached in the interval that ends with event i
-        p = ended_before[i] if i <= loss_at else prefix
-        phase = peaks[0 if i <= loss_at else 1]
+        p, phase = (ended_before[i], peaks[0]) if i <= loss_at else (prefix, peaks[1])
         phase[p] = max(phase.get(p, 0), peak)
         if kind == "backward" and node in index and node not in backward_now:
             prefix = min(prefix, index[node])

@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["LOWER", "TO_FLOAT32", "MetaAutocast", "meta_autocast_now"]
 
@@ -33,8 +33,7 @@ _MATMULS = {
     "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv", "linear",
     "addbmm", "baddbmm", "bmm", "chain_matmul", "multi_dot", "scaled_dot_product_attention",
 }  # fmt: skip
-# CUDA's autocast lists the recurrent cells; CPU's casts only the products inside them, which a
-# function mode does not see: on CPU they run in float32 here (over-predicted, never under)
+# CUDA's autocast lists the recurrent cells; CPU's casts only the products inside them (docstring)
 _CELLS = {"lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"}
 _LOSSES = {
     "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
@@ -49,15 +48,12 @@ LOWER: dict[str, frozenset[str]] = {
 }
 # ... and in float32
 TO_FLOAT32: dict[str, frozenset[str]] = {
-    "cuda": frozenset(
-        _LOSSES
-        | {
-            "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
-            "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus", "layer_norm", "group_norm",
-            "norm", "cosine_similarity", "dist", "pdist", "cdist", "renorm", "logsumexp",
-            "softmax", "log_softmax", "cumsum", "cumprod", "sum", "prod",
-        }
-    ),
+    "cuda": frozenset(_LOSSES | {
+        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+        "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus", "layer_norm", "group_norm",
+        "norm", "cosine_similarity", "dist", "pdist", "cdist", "renorm", "logsumexp",
+        "softmax", "log_softmax", "cumsum", "cumprod", "sum", "prod",
+    }),
     "cpu": frozenset(_LOSSES | {"cdist", "prod", "trace", "grid_sampler", "stft"}),
 }  # fmt: skip
 _WIDEST = frozenset({"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "tensordot",
@@ -92,18 +88,16 @@ class MetaAutocast(TorchFunctionMode):
         return MetaAutocast(self.device_type, self.dtype)
 
     def _cast(self, value: Any, dtype: torch.dtype) -> Any:
-        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
-            return value
-        if value.dtype == dtype or value.dtype == torch.float64:
+        floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+        if not floating or value.dtype in (dtype, torch.float64):
             return value
         leaf = value.is_leaf and value.requires_grad
         cacheable = leaf and dtype == self.dtype and torch.is_grad_enabled()
-        if cacheable and id(value) in self.cache:
-            return self.cache[id(value)][1]
-        cast = value.to(dtype)
-        if cacheable:
-            self.cache[id(value)] = (value, cast)
-        return cast
+        if not cacheable:
+            return value.to(dtype)
+        if id(value) not in self.cache:
+            self.cache[id(value)] = (value, value.to(dtype))
+        return self.cache[id(value)][1]
 
     def __exit__(self, *exc: Any) -> Any:
         self.cache.clear()
@@ -111,17 +105,11 @@ class MetaAutocast(TorchFunctionMode):
 
 
 def _widest(tree: Any) -> torch.dtype | None:
-    floats = [
-        v.dtype
-        for v in torch.utils._pytree.tree_leaves(tree)
-        if isinstance(v, torch.Tensor) and v.is_floating_point()
-    ]
-    return max(floats, key=lambda d: torch.finfo(d).bits) if floats else None
+    floats = (v for v in tree_leaves(tree) if isinstance(v, torch.Tensor) and v.is_floating_point())
+    return max((v.dtype for v in floats), key=lambda d: torch.finfo(d).bits, default=None)
 
 
 def meta_autocast_now() -> MetaAutocast | None:
     """The innermost :class:`MetaAutocast` active where this is called, or ``None``."""
-    from torch.overrides import _get_current_function_mode_stack
-
     found = [m for m in _get_current_function_mode_stack() if isinstance(m, MetaAutocast)]
     return found[-1] if found else None

@@ -57,7 +57,5 @@ class KeptOutputs:
         given = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
         for a in func._schema.arguments:
             if a.alias_info is not None and a.alias_info.is_write:
-                for _, t in iter_tensors(given.get(a.name)):
-                    key = storage_key(t)
-                    if key is not None and key in self.born:
-                        self.changed.add(key)
+                written = {storage_key(t) for _, t in iter_tensors(given.get(a.name))}
+                self.changed.update(self.born.keys() & written)

@@ -33,7 +33,6 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -142,12 +141,12 @@ def measure(
             run(after_forward=lambda: tracked.snapshot("forward"))
         with preserved(model, inputs), running_eagerly(model), counter as flops:
             run()
-        return Measurement(
-            peak=tracked.peak,
-            saved=tracked.marks["forward"],
-            flops=flops.get_total_flops(),
-            seconds=_median_seconds(run, model, inputs, cuda, repeats),
-        )
+        seconds = []
+        for _ in range(repeats):  # (each from the model's state on entry)
+            with preserved(model, inputs):
+                seconds.append(timed(run, cuda)[1])
+        peak, saved = tracked.peak, tracked.marks["forward"]
+        return Measurement(peak, saved, flops.get_total_flops(), statistics.median(seconds))
 
 
 def _tracker(memory: str, model: nn.Module, cuda: bool) -> Any:
@@ -164,15 +163,3 @@ def _tracker(memory: str, model: nn.Module, cuda: bool) -> Any:
     if memory == "tensors" or not (cuda or memory == "allocator" or compiled):
         return LiveMemory.counting_as(model_device(model))
     return CudaMemory() if cuda else CpuAllocatorMemory()
-
-
-def _median_seconds(
-    run: Any, model: nn.Module, inputs: list[torch.Tensor], cuda: bool, repeats: int
-) -> float:
-    """The median wall time of ``repeats`` calls of ``run`` (synchronised on CUDA), each
-    from the model's state on entry."""
-    times = []
-    for _ in range(repeats):
-        with preserved(model, inputs):
-            times.append(timed(run, cuda)[1])
-    return statistics.median(times)

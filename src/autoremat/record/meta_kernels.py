@@ -14,6 +14,7 @@ runs its ops this way; :class:`RememberedKernels` does for a step without it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -28,7 +29,6 @@ _SEEN: dict[tuple[Any, ...], tuple[tuple[Any, ...], ...] | None] = {}
 _MOST = 200_000  # entries kept; past it the memory starts afresh
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
           torch.memory_format)  # fmt: skip
-_FRESH_ONLY: dict[Any, bool] = {}  # op -> whether its schema returns only new tensors
 
 
 def run_kernel(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -36,10 +36,8 @@ def run_kernel(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     (module docstring). Called from a dispatch mode's handler: the memory is used only when no
     other mode is below it (one would not see the op)."""
     key = None if _len_torch_dispatch_stack() else _key(func, args, kwargs)
-    if key is None:
-        return func(*args, **kwargs)
-    known = _SEEN.get(key, ())
-    if known is None:
+    known = None if key is None else _SEEN.get(key, ())
+    if key is None or known is None:
         return func(*args, **kwargs)
     if known:
         outs = [torch.empty_strided(s, st, dtype=d, device="meta") for s, st, d in known]
@@ -62,24 +60,17 @@ class RememberedKernels(TorchDispatchMode):
 
 def _key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
     """What the op's result depends on, hashable; ``None`` when it cannot be remembered."""
-    if not fresh_only(func):
-        return None
     parts: list[Any] = [func]
-    for value in (*args, *kwargs.items()):
-        if not _add(value, parts):
-            return None
-    return tuple(parts)
+    fits = fresh_only(func) and all(_add(value, parts) for value in (*args, *kwargs.items()))
+    return tuple(parts) if fits else None
 
 
 def _add(value: Any, parts: list[Any]) -> bool:
     """Append ``value``'s key to ``parts``; False when it has none."""
-    kind = type(value)
-    if kind is torch.Tensor:
-        if not value.is_meta:
-            return False
+    if type(value) is torch.Tensor and value.is_meta:
         parts.append((value.shape, value.stride(), value.dtype, value.storage_offset()))
         return True
-    if isinstance(value, torch.Tensor):  # (a subclass: not remembered)
+    if isinstance(value, torch.Tensor):  # (not on meta, or a subclass: not remembered)
         return False
     if isinstance(value, (tuple, list)):
         parts.append(len(value))
@@ -90,19 +81,16 @@ def _add(value: Any, parts: list[Any]) -> bool:
     return False
 
 
+@functools.cache
 def fresh_only(func: Any) -> bool:
     """Whether ``func``'s schema returns only new plain tensors (no alias anywhere)."""
-    found = _FRESH_ONLY.get(func)
-    if found is None:
-        schema = getattr(func, "_schema", None)
-        found = bool(
-            schema is not None
-            and schema.returns
-            and all(str(r.type) == "Tensor" and r.alias_info is None for r in schema.returns)
-            and all(a.alias_info is None for a in schema.arguments)
-        )
-        _FRESH_ONLY[func] = found
-    return found
+    schema = getattr(func, "_schema", None)
+    return bool(
+        schema is not None
+        and schema.returns
+        and all(str(r.type) == "Tensor" and r.alias_info is None for r in schema.returns)
+        and all(a.alias_info is None for a in schema.arguments)
+    )
 
 
 def _remembered(out: Any, args: Any, kwargs: Any) -> tuple[tuple[Any, ...], ...] | None:
@@ -111,13 +99,12 @@ def _remembered(out: Any, args: Any, kwargs: Any) -> tuple[tuple[Any, ...], ...]
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     if not all(type(t) is torch.Tensor and t.device.type == "meta" for t in outs):
         return None
-    inputs = {t.untyped_storage()._cdata for t in op_tensors((args, kwargs))}
-    seen: set[int] = set()
+    taken = {t.untyped_storage()._cdata for t in op_tensors((args, kwargs))}  # (and outputs')
     for t in outs:
         st = t.untyped_storage()
-        if st._cdata in inputs or st._cdata in seen or t.storage_offset() != 0:
+        if st._cdata in taken or t.storage_offset() != 0:
             return None
-        seen.add(st._cdata)
+        taken.add(st._cdata)
         fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
         if fresh.untyped_storage().nbytes() != st.nbytes():
             return None
