@@ -77,14 +77,12 @@ def freed_bytes(
     (:func:`autoremat.costs.inputs.charged_inputs`). The checkpoint keeps every input until
     the node's backward; such an input would otherwise have been freed sooner.
     """
-    freed: dict[Node, int] = defaultdict(int)
+    freed: dict[Node, int] = defaultdict(int, {n: -size for n, size in charged.items()})
     cached: dict[Node, int] = defaultdict(int)
     for key, nodes in freers.items():
         for node in nodes:
             freed[node] += rec.savers[key][0]
             cached[node] += rec.savers[key][0] if key in rec.cached_casts else 0
-    for n, size in charged.items():
-        freed[n] -= size
     return freed, cached
 
 
@@ -300,15 +298,14 @@ def _runs_of(
         first: tuple[int, int] | None = None  # the first use of what the run saved
         stop = (0, 0)  # its last save
         for j in range(i + 1, min(len(kids), i + MAX_RUN) + 1):
+            last = kids[j - 1]
             freed += gain[i][j]
             cached += cached_gain[i][j]
-            use = rec.unpacked.get(kids[j - 1])
-            if use is not None and (first is None or use < first):
-                first = use
-            stop = max(stop, rec.last_save.get(kids[j - 1], (0, 0)))
+            use = rec.unpacked.get(last)
+            first = min((u for u in (first, use) if u is not None), default=None)
+            stop = max(stop, rec.last_save.get(last, (0, 0)))
             if j - i < 2:
                 continue
-            last = kids[j - 1]
             end_event = min(line.events[last][1], stop[0] - 1)
             high = max([e[2] for e in events[start_event + 1 : end_event + 1]] + [stop[1]])
             added = high - events[start_event][3]

@@ -3,16 +3,14 @@
 :func:`fields_from_dict` turns what :meth:`autoremat.Plan.to_dict` wrote into the fields of
 a :class:`~autoremat.planning.plans.Plan` (``Plan(**fields)``); :func:`fields_from_json` and
 :func:`fields_from_file` (behind ``Plan.from_json`` and ``Plan.load``) read the text first.
-Plans saved before ways had their name (a choice's ``"mode"``), before per-entry ops (a
-``selective`` list with one ``save_ops``), and without ``left_out`` or ``parameter_bytes``,
-still load.
 
-docs/guide.md ("Plans persist") lists what is checked, so that a file from elsewhere can do no
-more than fail to load; also ``calls`` (modules of the plan's structure, each a count in
-``[1, 2**63)`` above the index of every call entry of the module, one for every module a call
-entry names) and ``left_out`` (modules of that structure, each reason a string of at most
-:data:`MAX_REASON_CHARS` characters). Time and memory are linear in the size of the text (plus
-sorts). Anything wrong raises ``ValueError``, never another error.
+docs/guide.md ("Plans persist") lists the older forms that still load and what is checked, so
+that a file from elsewhere can do no more than fail to load; also ``calls`` (modules of the
+plan's structure, each a count in ``[1, 2**63)`` above the index of every call entry of the
+module, one for every module a call entry names) and ``left_out`` (modules of that structure,
+each reason a string of at most :data:`MAX_REASON_CHARS` characters). Time and memory are
+linear in the size of the text (plus sorts). Anything wrong raises ``ValueError``, never
+another error.
 """
 
 from __future__ import annotations
@@ -113,17 +111,14 @@ def fields_from_json(text: str, where: str = "the text") -> dict[str, Any]:
         ValueError: ``text`` fails a check of the module docstring (the text's own first, then
             :func:`fields_from_dict`'s).
     """
-
-    def refuse(why: str) -> ValueError:
-        return ValueError(f"{where} is not a saved plan: {why}")
-
     why = _shape_refusal(text)
     if why is not None:
-        raise refuse(why)
+        raise ValueError(f"{where} is not a saved plan: {why}")
     try:
         data = json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
-        raise refuse(f"not JSON ({_shown(str(e))})") from None
+        why = f"not JSON ({_shown(str(e))})"
+        raise ValueError(f"{where} is not a saved plan: {why}") from None
     return fields_from_dict(data, where)
 
 

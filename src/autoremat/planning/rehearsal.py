@@ -218,25 +218,22 @@ class CpuStatistics(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        statistics = _STATISTICS.get(func)
-        if statistics is not None and _mixed(args[0], args[statistics[1]]):
-            return tuple(o.float() if k in statistics[0] else o for k, o in enumerate(out))
-        gradient = _GRADIENTS.get(func)
-        if gradient is not None and _mixed(args[gradient[0]], args[gradient[1]]):
-            dtype = args[gradient[0]].dtype
-            return tuple(o.to(dtype) if k == 0 and o is not None else o for k, o in enumerate(out))
-        return out
+        fix = _RECAST.get(func)
+        if fix is None or not _mixed(args[fix[0]], args[fix[1]]):
+            return out
+        dtype = fix[3] or args[fix[0]].dtype
+        return tuple(o.to(dtype) if k in fix[2] and o is not None else o for k, o in enumerate(out))
 
 
-# op -> the indexes of its outputs that are statistics, and of its weight among its arguments
-_STATISTICS = {
-    torch.ops.aten.native_layer_norm.default: ((1, 2), 2),
-    torch.ops.aten.native_batch_norm.default: ((1, 2), 1),
-    torch.ops.aten.native_group_norm.default: ((1, 2), 1),
+# op -> the indexes of its input and of its weight among its arguments, of its outputs to
+# recast, and their dtype (None: the input's). A norm's outputs 1 and 2 are its statistics;
+# a group norm backward's first output is the input's gradient.
+_RECAST: dict[Any, tuple[int, int, tuple[int, ...], torch.dtype | None]] = {
+    torch.ops.aten.native_layer_norm.default: (0, 2, (1, 2), torch.float32),
+    torch.ops.aten.native_batch_norm.default: (0, 1, (1, 2), torch.float32),
+    torch.ops.aten.native_group_norm.default: (0, 1, (1, 2), torch.float32),
+    torch.ops.aten.native_group_norm_backward.default: (1, 4, (0,), None),
 }
-# backward op -> the indexes of its forward input and of its weight among its arguments: its
-# first output, the input's gradient, is in the input's dtype
-_GRADIENTS = {torch.ops.aten.native_group_norm_backward.default: (1, 4)}
 _HALF_FLOATS = (torch.bfloat16, torch.float16)
 
 

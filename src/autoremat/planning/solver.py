@@ -9,17 +9,16 @@ recomputing a set of items, never one inside another, lowers them (:attr:`Item.f
 :attr:`Item.freed_in_forward`), holds more inside a chosen node's span (:meth:`Item.held_at`,
 :attr:`Item.held`) and adds the point ``(start, recompute_peak)``; :attr:`Item.cost` prices it.
 
-The walk is a dynamic programme over the tree in execution order whose state is the set of
-Pareto-optimal ``(bytes freed so far, cost so far)`` pairs (with :attr:`Item.cached`, the bytes
-freed at the points of the forward too). At each node it recomputes the node whole, in any of
-its ways (when every point inside its span fits with what was freed before it), or, for a
-plain ``nn.Sequential``, a run of consecutive children as one, or descends into its children.
-Points are checked as the walk passes them, so every kept state is feasible so far; bytes
-freed are counted up to the largest excess over the budget. Exact under the model while the
-frontier holds at most ``MAX_STATES`` states; past that it keeps, per ``1/MAX_STATES`` of that
-excess, the state that freed most (with :attr:`Item.cached`, also the one that freed most in
-the forward): no feasible answer is lost, the cost may exceed the optimum by what separates
-states within one step. The work is ``O((nodes x ways + runs) x frontier)``.
+The walk (docs/cost-model-history.md, "The solver", says why it is exact) is a dynamic
+programme over the tree in execution order; its state is the set of Pareto-optimal ``(bytes
+freed so far, cost so far)`` pairs (with :attr:`Item.cached`, freed in the forward too). At each
+node it recomputes the node whole (any way, if the points of its span fit), a run of a plain
+``nn.Sequential``'s children, or descends. Every kept state is feasible so far. Exact while the
+frontier holds at most ``MAX_STATES`` states; past that it keeps, per ``1/MAX_STATES`` of the
+largest excess over the budget, the state that freed most (with :attr:`Item.cached`, also the
+one that freed most in the forward): no feasible answer is lost, the cost may exceed the
+optimum by what separates states within one step. The work is ``O((nodes x ways + runs) x
+frontier)``.
 """
 
 from __future__ import annotations
@@ -152,13 +151,8 @@ def _merge(parts: list[list[_State]], grid: int, phased: bool = False) -> list[_
 
 def _cheaper(states: list[_State]) -> list[_State]:
     """The states (most freed first) cheaper than every state that freed more."""
-    kept: list[_State] = []
-    best = math.inf
-    for s in states:
-        if s[1] < best:
-            kept.append(s)
-            best = s[1]
-    return kept
+    least = itertools.accumulate((s[1] for s in states), min, initial=math.inf)
+    return [s for s, best in zip(states, least, strict=False) if s[1] < best]
 
 
 def _pareto(states: list[_State]) -> list[_State]:
