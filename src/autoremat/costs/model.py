@@ -1,12 +1,9 @@
 """The cost model: from a recorded step, what recomputing each node frees, holds and peaks at.
 
 Every function here is pure: it reads a :class:`~autoremat.record.recording.Recording` and its
-:class:`~autoremat.costs.timeline.Timeline` and returns figures. ``docs/cost-model.md`` gives
-the reasoning and the measured error. For a node checkpointed: what it frees,
-:func:`freed_bytes` (its inputs charged: :mod:`autoremat.costs.inputs`); what it holds during
-its forward, those charged inputs from its start, changed as :func:`held_from` says; its
-recompute's peak, :func:`recompute_peak`; and :func:`runs` of a plain ``nn.Sequential``'s
-children, priced as one node.
+:class:`~autoremat.costs.timeline.Timeline` and returns figures. docs/cost-model.md, "The
+walk", gives the terms (per node, and for :func:`runs` of a plain ``nn.Sequential``'s
+children), the reasoning and the measured error.
 """
 
 from __future__ import annotations
@@ -72,10 +69,8 @@ def freed_bytes(
     not recomputed saved it.
 
     Freed: storages saved for backward only inside the node's subtree, other than its inputs
-    (``freers``: :func:`freers`). Cost: ``charged``, its inputs that nothing inside the subtree
-    saved and that would not be alive until its backward anyway
-    (:func:`autoremat.costs.inputs.charged_inputs`). The checkpoint keeps every input until
-    the node's backward; such an input would otherwise have been freed sooner.
+    (``freers``: :func:`freers`), less ``charged``, the inputs its checkpoint keeps longer
+    (:func:`autoremat.costs.inputs.charged_inputs`).
     """
     freed: dict[Node, int] = defaultdict(int, {n: -size for n, size in charged.items()})
     cached: dict[Node, int] = defaultdict(int)

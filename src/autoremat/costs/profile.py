@@ -14,9 +14,7 @@ attributed to the innermost module of the tree that was running when it arose:
 Storages that existed before the step (parameters, buffers, the example inputs) do not count:
 recompute cannot free them. Times are taken in separate forwards (:mod:`autoremat.record.timing`;
 on ``meta``, where nothing runs, estimated from FLOPs, op seconds also from bytes written). A
-node's figures are its own plus its children's. Nodes are calls: a module that runs several
-times in one forward has a node per call, ``path@k``. The model must not be wrapped (profile it
-before ``plan.apply``, or after ``autoremat.remove``): a checkpointed module saves nothing to see.
+node's figures are its own plus its children's, one node per call (:class:`Profile`).
 """
 
 from __future__ import annotations

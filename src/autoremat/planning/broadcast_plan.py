@@ -1,9 +1,5 @@
-"""Using a plan in data-parallel training (DDP, FSDP2): make it on one rank, send it to all.
-
-Every rank must recompute the same modules (under FSDP2 other recomputes issue other
-collectives, and a step hangs), and planning on each rank does not give equal plans:
-docs/guide.md, "Distributed training", says why, and how budgets count under FSDP2.
-"""
+"""Using a plan in data-parallel training (DDP, FSDP2): make it on one rank, send it to all
+(docs/guide.md, "Distributed training", says why every rank needs the same plan)."""
 
 from __future__ import annotations
 

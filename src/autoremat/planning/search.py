@@ -85,12 +85,8 @@ def cost(chosen: Chosen) -> float:
 
 def cheapest(walk: Walk, limit: int, judge: Judge) -> Chosen | None:
     """The cheapest plan found that ``judge`` says fits, starting from the walk's plan at
-    ``limit``; ``None`` when none did within :data:`TRIES` runs.
-
-    From the limit asked, the limit rises by a plan's slack (the walk priced it above its run:
-    a cheaper plan may fit) and falls to the walk's price of a plan less its excess, bisecting
-    once a limit that fits and one that does not are known; the cheapest plan that fitted
-    wins."""
+    ``limit``; ``None`` when none did within :data:`TRIES` runs. How the walk's limit moves
+    between runs: docs/cost-model.md, "The search"."""
     best: Chosen | None = None
     fits: int | None = None  # the highest walk limit whose plan fitted
     over: int | None = None  # the lowest whose plan did not
@@ -125,10 +121,9 @@ def lowest(
     the walk's lowest plan and ``seeds`` (plans written by hand), the cheaper of equal ones;
     and that peak. The empty plan counts: ``peak(())`` is the step without recompute.
 
-    ``bounded`` (``peak`` runs the step the walk's points were profiled on): a plan whose
-    :func:`floor` is above the least peak run so far, or equal to it and the plan no cheaper
-    than the one that ran there, cannot win, and is not run; the walk's plan runs first (the
-    likeliest lowest), then the others by their floors."""
+    ``bounded`` (``peak`` runs the step the walk's points were profiled on): a plan that cannot
+    win by its :func:`floor` is not run (docs/cost-model.md, "The search"); the walk's plan,
+    the likeliest lowest, runs first, then the others by their floors."""
     candidates = [c for c in (walk.plan(walk.lowest), (), *seeds) if c is not None]
     floored = [(floor(walk, c) if bounded else 0, c) for c in candidates]  # (each found once)
     if bounded:

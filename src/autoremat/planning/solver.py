@@ -9,16 +9,11 @@ recomputing a set of items, never one inside another, lowers them (:attr:`Item.f
 :attr:`Item.freed_in_forward`), holds more inside a chosen node's span (:meth:`Item.held_at`,
 :attr:`Item.held`) and adds the point ``(start, recompute_peak)``; :attr:`Item.cost` prices it.
 
-The walk (docs/cost-model-history.md, "The solver", says why it is exact) is a dynamic
-programme over the tree in execution order; its state is the set of Pareto-optimal ``(bytes
-freed so far, cost so far)`` pairs (with :attr:`Item.cached`, freed in the forward too). At each
-node it recomputes the node whole (any way, if the points of its span fit), a run of a plain
-``nn.Sequential``'s children, or descends. Every kept state is feasible so far. Exact while the
-frontier holds at most ``MAX_STATES`` states; past that it keeps, per ``1/MAX_STATES`` of the
-largest excess over the budget, the state that freed most (with :attr:`Item.cached`, also the
-one that freed most in the forward): no feasible answer is lost, the cost may exceed the
-optimum by what separates states within one step. The work is ``O((nodes x ways + runs) x
-frontier)``.
+The walk is a dynamic programme over the tree in execution order whose state is the set of
+Pareto-optimal ``(bytes freed so far, cost so far)`` pairs (with :attr:`Item.cached`, freed in
+the forward too), every one feasible so far, thinned past ``MAX_STATES`` (:func:`_merge`):
+docs/cost-model-history.md, "The solver", says what it tries at each node, why it is exact,
+what thinning costs and how much work it is.
 """
 
 from __future__ import annotations
@@ -32,9 +27,7 @@ from typing import Any
 
 MAX_STATES = 1024
 NONE = -(2**62)  # the bytes at a point where no moment was seen (below any budget)
-# Costs are in FLOPs, or FLOP-equivalents: an item with measured ``seconds`` costs them at
-# FLOPS_PER_SECOND; one without costs its FLOPs. Bytes (freed, and written by the recompute)
-# break ties at TIE_PER_BYTE.
+# What Item.cost charges: docs/cost-model.md, "Pricing: time or FLOPs".
 FLOPS_PER_SECOND = 1e11
 TIE_PER_BYTE = 1e-3
 

@@ -3,10 +3,8 @@
 From a profile of one training step (:mod:`autoremat.costs`), the planning tree
 (:mod:`autoremat.planning.planning_tree`), the solver's walk (:mod:`autoremat.planning.solver`)
 and the search that runs the walk's plans (:mod:`autoremat.planning.search`,
-:mod:`autoremat.planning.rehearsal`): ``budget=`` bytes, a fraction of the no-recompute peak, a
-percentage or a size string (:func:`autoremat.core.sizes.parse_budget`); cost is the
-recompute's profiled time (``objective="time"``) or its FLOPs (``"flops"``). A plan's
-``estimated_peak`` is its step's peak, run.
+:mod:`autoremat.planning.rehearsal`). Budgets (:func:`autoremat.core.sizes.parse_budget`),
+objectives and ``estimated_peak``: docs/guide.md, "Budgets and objectives".
 """
 
 from __future__ import annotations
