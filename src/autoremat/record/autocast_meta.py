@@ -11,11 +11,9 @@ leaf that requires grad (a weight) once per region and keeps the copy until the 
 
 The lists follow PyTorch's autocast op lists for ``cuda`` and ``cpu``
 (``aten/src/ATen/autocast_mode.cpp``), by function name as ``torch.overrides`` sees them
-(``linear``, ``matmul``, ``softmax``, ``cross_entropy``). An op autocast casts only inside
-another torch function (CPU's recurrent cells, whose inner products autocast casts) is not cast
-here: that function runs in float32, over-predicted. Checked to the byte on the CPU lists
-against real CPU autocast on transformers, MLPs, convolutional nets (``tests/test_fit.py``);
-the CUDA lists are PyTorch's, unchecked on a GPU.
+(``linear``, ``matmul``, ``softmax``, ``cross_entropy``). What is left uncast (an op autocast
+casts only inside another function: CPU's recurrent cells) and how the lists were checked
+(``tests/test_fit.py``): docs/guide.md, "Fitting a device" (Autocast).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Measure one training step of a model: peak memory, memory saved for backward, FLOPs, time.
 
-:func:`measure` says what the step is and what it leaves as found; :class:`Measurement`
-defines the figures. Memory comes from a tracker (below), FLOPs from
-:class:`torch.utils.flop_counter.FlopCounterMode`, time from separate runs without either.
+:func:`measure` says what the step is, how each figure is taken and what it leaves as found;
+:class:`Measurement` defines the figures.
 
 Memory trackers (``measure(memory=...)``): ``"tensors"`` is
 :class:`~autoremat.record.memory.LiveMemory` (tensor storages created by the step, exact to the

@@ -124,11 +124,10 @@ class LiveMemory(TorchDispatchMode):
     mode and the free callbacks run. A ``LiveMemory`` may be entered again; storages it already
     tracks stay tracked.
 
-    Options: ``rng_states`` also counts the CPU generator states ``torch.get_rng_state()``
-    returns while the mode is active (``torch.utils.checkpoint`` keeps one per checkpointed call
-    until its backward, and its recompute one more while it runs: tensors no op makes, on the
-    CPU's memory); ``block`` counts each storage as an allocator rounding to that many bytes
-    would (:func:`block_bytes`; :data:`CUDA_BLOCK` for what ``max_memory_allocated`` says).
+    Options (why: docs/cost-model.md, "What a figure is"): ``rng_states`` also counts the CPU
+    generator states ``torch.get_rng_state()`` returns while the mode is active (checkpoint's,
+    which no op makes); ``block`` counts each storage as an allocator rounding to that many
+    bytes would (:func:`block_bytes`; :data:`CUDA_BLOCK` as ``max_memory_allocated`` counts).
     """
 
     def __init__(self, trace: bool = False, *, rng_states: bool = False, block: int = 1) -> None:

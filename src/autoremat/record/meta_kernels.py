@@ -8,8 +8,7 @@ strides and dtypes its kernel gave the first time. Only ops whose outputs are ne
 remembered: no view, no in-place or ``out=`` op (their schema marks an alias), every return
 a plain ``Tensor`` whose storage holds exactly its elements, not shared with another output
 or an input; and only when every argument is a ``meta`` tensor or a plain value. Any other op
-runs its kernel every time. The memory tracker (:class:`~autoremat.record.memory.LiveMemory`)
-runs its ops this way; :class:`RememberedKernels` does for a step without it.
+runs its kernel every time.
 """
 
 from __future__ import annotations

@@ -103,9 +103,8 @@ class Recording:
     changed: set[int] = field(default_factory=set)
     # the index of the "unpack" event marked when backward first used what a node saved
     unpack_events: dict[Node, int] = field(default_factory=dict)
-    # the storage keys of the casts autocast's cast cache keeps until the forward's autocast
-    # region ends (a weight's copy in the lower precision: a float32 leaf that requires grad),
-    # whoever saved them: a checkpointed module does not free them during the forward
+    # the storage keys of the casts autocast's cache keeps until the forward's region ends
+    # (OpCosts._cached), whoever saved them: a checkpointed module does not free them sooner
     cached_casts: set[int] = field(default_factory=set)
     kept_freed: dict[int, int] = field(default_factory=dict)
     # what Hugging Face's mask code decided reading the step's values, in order
@@ -345,8 +344,7 @@ class _Recorder:
         self.mark("loss", self.root)
 
     def finish(self) -> Recording:
-        """The recording, each call named as a profile names it: ``path@k`` when its module
-        ran several times, its path when once."""
+        """The recording, the calls of modules that ran once named by their path."""
         self.mark("done", self.root)
         for call in self.root.walk():
             call.calls = self.count[id(call.module)]
@@ -361,8 +359,7 @@ class SelfCheckpointingError(ValueError):
 
 
 def _call_of(node: Node, k: int, inputs: tuple[TensorInfo, ...] = ()) -> Node:
-    """A node for the ``k``-th call of ``node``'s module (named ``path@k`` until the step is
-    done), with no children yet."""
+    """A node, with no children yet, for the ``k``-th call of ``node``'s module (``path@k``)."""
     return replace(
         node, path=call_entry(node.path, k), children=[], call=k, calls=0, inputs=inputs,
         outputs=(),

@@ -22,23 +22,19 @@ calls on every module call of the forward it runs. It compares:
   base's version counter); a tensor that is also an outer module's input, by that module's
   own check.
 
-Cost: no tensor is copied or read. A first, quick look flattens (at most :data:`MAX_TOKENS`
-items per attribute, :data:`MAX_CONTAINER_DEPTH` containers deep) the attributes of every
-module when the forward begins and ends, and of each called module when its call begins
-(about three look-ups of each module's ``__dict__``). Only when that finds a change does
-:func:`~autoremat.record.tree.build_tree` run a second forward with the detailed look, whose
-findings it keeps: per call, the attributes of every module inside the called one (about the
-number of modules times the depth of the tree). Each tensor argument costs two weak
-references and a few reads of its version counter, and is held (not copied) until its
-caller's call returns, or longer while it is that call's own argument or output.
+Cost, beyond docs/guide.md, "What planning leaves out": no tensor is read. Attributes are
+flattened to at most :data:`MAX_TOKENS` items, :data:`MAX_CONTAINER_DEPTH` containers deep:
+the quick look reads each module's ``__dict__`` about three times, the detailed one, per call,
+that of every module inside the called one (about the number of modules times the depth of
+the tree). Each tensor argument costs two weak references and a few reads of its version
+counter, and is held (not copied) until its caller's call returns, or longer while it is that
+call's own argument or output.
 
-Not seen: a parent that reads a child's attribute before it resets it; state outside the
-modules' attributes (module-level globals, closures, a clock, files), objects deeper than
-one object or :data:`MAX_CONTAINER_DEPTH` containers, items past :data:`MAX_TOKENS`,
-nondeterministic kernels; an argument changed in place, once its caller has returned,
-through an alias that shares its version counter but is no view of it (``detach()``) while
-the argument itself is gone; a forward that changes attributes of a module outside its own
-subtree is found for the module around both, not for itself.
+Not seen, besides that section's list: files, objects deeper than :data:`MAX_CONTAINER_DEPTH`
+containers, items past :data:`MAX_TOKENS`; an argument changed in place, once its caller has
+returned, through an alias that shares its version counter but is no view of it
+(``detach()``) while the argument itself is gone; a forward that changes attributes of a
+module outside its own subtree is found for the module around both, not for itself.
 """
 
 from __future__ import annotations

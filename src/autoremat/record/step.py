@@ -110,9 +110,8 @@ def check_loss(loss: Any) -> torch.Tensor:
 
 def autocast_for(model: nn.Module, autocast: Autocast | None) -> Any:
     """The context that runs a forward of ``model`` under ``autocast`` (``(device_type,
-    dtype)``): ``torch.autocast``, or on ``meta``
-    :class:`~autoremat.record.autocast_meta.MetaAutocast` (autocast acts on real devices only); none
-    without ``autocast``."""
+    dtype)``): ``torch.autocast``, or on ``meta`` :class:`MetaAutocast` (autocast acts on real
+    devices only); none without ``autocast``."""
     if autocast is None:
         return contextlib.nullcontext()
     device_type, dtype = autocast
@@ -138,9 +137,8 @@ def step_autocast(value: Any, model: nn.Module) -> Autocast | None:
     """``autocast=`` as every function takes it, made ``(device_type, dtype)``: a dtype
     (``torch.bfloat16``: the autocast of the model's device, ``cuda`` for a model on ``meta``);
     ``(device_type, dtype)`` as it is; ``None``: the region the caller runs in (``cuda``
-    first, then ``cpu``), else ``None``. Every step autoremat runs, profiled or measured, runs
-    inside :func:`no_ambient_autocast` with forward and loss under that autocast and backward
-    outside, so a budget means the same inside a caller's region as with ``autocast=``.
+    first, then ``cpu``), else ``None``. Every step runs inside :func:`no_ambient_autocast`, so
+    a budget means the same inside a caller's region as with ``autocast=``.
 
     Raises:
         TypeError: anything else (the message gives the forms).
@@ -166,10 +164,8 @@ def step_autocast(value: Any, model: nn.Module) -> Autocast | None:
 def no_ambient_autocast() -> Iterator[None]:
     """Autocast off for ``cpu`` and ``cuda`` while a step runs (the step turns it on again
     around its forward and loss, in a region of its own whose cast cache it empties), and the
-    block outside every region, as a step outside one runs: torch empties the cast cache only
-    when the outermost region ends, so inside the caller's region a checkpoint's recompute
-    (in a region of its own) would keep its weights' casts until the caller's region ended
-    (2,304 bytes more at the peak of a looped transformer's plan, measured)."""
+    block outside every region, as a step outside one runs (why: docs/guide.md, "Fitting a
+    device", Autocast: torch empties the cast cache only when the outermost region ends)."""
     ambient = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
     with contextlib.ExitStack() as stack:
         for device_type in ambient:
@@ -205,8 +201,7 @@ def train_step(
     requiring grad): forward, ``loss_fn`` (:func:`default_loss` when None), backward, with
     gradients enabled whatever the caller's mode. ``after_forward`` runs between the loss and
     backward. With ``autocast`` (``(device_type, dtype)``), forward and loss run under
-    ``torch.autocast(device_type, dtype)`` (backward outside, as PyTorch recommends), or, on
-    ``meta``, :class:`~autoremat.record.autocast_meta.MetaAutocast`. LayerDrop is off from
+    :func:`autocast_for` (backward outside, as PyTorch recommends). LayerDrop is off from
     forward to backward (:func:`~autoremat.core.layerdrop.every_layer`: a recompute of a
     stack runs every layer too). Returns the loss, detached.
 

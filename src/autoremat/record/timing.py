@@ -1,9 +1,8 @@
 """Timing: each module's forward, each op alone, and what a recompute adds per op.
 
-Time prices recompute (``objective="time"``): a recompute runs its module's ops again, plus
-checkpoint's dispatch per op, plus, when selective, the Python policy selective checkpointing
-calls for every op. :func:`time_forward` times the ops; :func:`overheads` measures the per-op
-overheads once per device. On ``meta`` nothing can be timed: :data:`DEFAULT_OVERHEADS`.
+How time prices a recompute: docs/cost-model.md, "Pricing: time or FLOPs". :func:`time_forward`
+times the ops; :func:`overheads` measures the per-op overheads once per device. On ``meta``
+nothing can be timed: :data:`DEFAULT_OVERHEADS`.
 """
 
 from __future__ import annotations

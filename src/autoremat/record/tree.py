@@ -1,13 +1,7 @@
 """Claim 1: extract the modules that run and build the multi-way module tree.
 
-A :class:`Node` holds what the method needs of one module: its name, its path from the root
-(the qualified name of ``model.named_modules()``), its children in registration order, the
-module object itself, and what flowed in and out of it on the example inputs.
-
-The tree holds the *computation* modules: those whose ``forward`` ran. A module that never ran
-itself (an ``nn.ModuleList`` or ``nn.ModuleDict`` container, or a module its parent bypassed) is
-dissolved: its children that did run take its place among its parent's children. Modules that
-did not run and have no descendant that ran are left out.
+What a :class:`Node` holds, and which modules the tree keeps (a container that never ran is
+dissolved, its children that ran in its place): docs/method.md, "Claim 1: four steps".
 """
 
 from __future__ import annotations
