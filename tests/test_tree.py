@@ -25,6 +25,28 @@ class Net(nn.Module):
         return {"logits": self.head(x), "features": (x, [x.sum()])}
 
 
+class Grows(nn.Module):
+    """Calls itself once: the inner call returns 4 features, the outer 8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, n: int = 1) -> torch.Tensor:
+        y = self.lin(x)
+        return y if n == 0 else torch.cat([self(y, n - 1), y], dim=-1)
+
+
+def test_a_module_that_calls_itself_has_its_first_calls_inputs_and_outputs():
+    """The I/O of a module's first call is that call's, also when the module calls itself
+    inside it (the inner call ends first: its outputs were taken for the outer call's)."""
+    tree = autoremat.build_tree(nn.Sequential(Grows()), (torch.randn(2, 4),))
+    grows = tree.find("0")
+    assert grows.calls == 2
+    assert [t.shape for t in grows.inputs] == [(2, 4)]
+    assert [t.shape for t in grows.outputs] == [(2, 8)]
+
+
 def test_nodes_carry_name_path_children_module_and_io():
     model = Net()
     tree = autoremat.build_tree(model, (torch.randn(5, 8),), {"scale": 2.0})

@@ -241,7 +241,8 @@ class _Calls:
         self.recording = True  # False: a second forward, for the check only
         self.calls: dict[int, int] = {}
         self.first_io: dict[int, tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]] = {}
-        self.pending: dict[int, tuple[TensorInfo, ...]] = {}
+        # a first call's inputs, by module, with its depth (a module may call itself)
+        self.pending: dict[int, tuple[int, tuple[TensorInfo, ...]]] = {}
         self.running: list[str] = []
 
     def pre_hook(self, module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
@@ -252,14 +253,15 @@ class _Calls:
             return
         self.calls[key] = self.calls.get(key, 0) + 1
         if self.calls[key] == 1:
-            self.pending[key] = tuple(tensor_infos(a, "args") + tensor_infos(kw, "kwargs"))
+            infos = tuple(tensor_infos(a, "args") + tensor_infos(kw, "kwargs"))
+            self.pending[key] = (len(self.running), infos)
 
     def post_hook(self, module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any], out: Any):
-        key = id(module)
+        key, depth = id(module), len(self.running)
         self.running.pop()
         self.check.leave(module, out)
-        if key in self.pending:
-            self.first_io[key] = (self.pending.pop(key), tuple(tensor_infos(out, "out")))
+        if self.pending.get(key, (0,))[0] == depth:  # (the first call ends, not one inside it)
+            self.first_io[key] = (self.pending.pop(key)[1], tuple(tensor_infos(out, "out")))
 
     def nodes(self, path: str, module: nn.Module) -> list[Node]:
         """Nodes for ``module``: itself if it ran, else its children that ran (dissolved)."""
