@@ -1,15 +1,19 @@
 """The random generators outside torch that a forward may draw from: Python's ``random`` and
 NumPy's global generator (when NumPy is imported). The recompute replays them
 (:mod:`autoremat.wrap.replay`) and a failed call puts them back (:mod:`autoremat.record.snapshot`),
-next to torch's own generators."""
+next to torch's own generators; :func:`generators_kept` puts back both."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["HostRng", "get_host_rng", "set_host_rng"]
+import torch
+
+__all__ = ["HostRng", "generators_kept", "get_host_rng", "set_host_rng"]
 
 # (Python's state, NumPy's state or None when NumPy was not imported)
 HostRng = tuple[Any, Any]
@@ -29,3 +33,15 @@ def set_host_rng(states: HostRng) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None and numpy_state is not None:
         numpy.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def generators_kept(cuda_devices: Iterable[int] = ()) -> Iterator[None]:
+    """Run the block, then put back torch's CPU generator (and those of ``cuda_devices``),
+    Python's and NumPy's, whatever the block drew or seeded, also when it raises."""
+    host = get_host_rng()
+    try:
+        with torch.random.fork_rng(devices=list(cuda_devices)):
+            yield
+    finally:
+        set_host_rng(host)

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from autoremat.core import huggingface
-from autoremat.core.host_rng import get_host_rng, set_host_rng
+from autoremat.core.host_rng import generators_kept
 from autoremat.core.huggingface import mask_answers, ordinary_positions_on_meta
 from autoremat.core.nested import iter_tensors
 from autoremat.costs.profile import Profile
@@ -259,7 +259,7 @@ def _applied(model: nn.Module, plan: PlanFields | None) -> Iterator[None]:
     Raises:
         ValueError: ``model`` has other entries wrapped (the message names them).
     """
-    host, already = get_host_rng(), wrapped_paths(model)
+    already = wrapped_paths(model)
     if plan is not None and already and set(already) != set(plan.modules):
         raise ValueError(
             f"{type(model).__name__} has other entries wrapped ({', '.join(already[:3])}) "
@@ -267,7 +267,7 @@ def _applied(model: nn.Module, plan: PlanFields | None) -> Iterator[None]:
             f"applied from"
         )
     ours = plan is not None and not already
-    with torch.random.fork_rng(devices=[]), no_ambient_autocast():
+    with generators_kept(), no_ambient_autocast():
         if ours:
             apply(model, plan.modules, selective=plan.selective or {}, calls=plan.calls)  # type: ignore[union-attr]
         try:
@@ -275,7 +275,6 @@ def _applied(model: nn.Module, plan: PlanFields | None) -> Iterator[None]:
         finally:
             if ours:
                 remove(model)
-            set_host_rng(host)
 
 
 @contextlib.contextmanager

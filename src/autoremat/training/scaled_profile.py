@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from autoremat.core.host_rng import get_host_rng, set_host_rng
+from autoremat.core.host_rng import generators_kept
 from autoremat.costs.profile import Profile
 from autoremat.planning.rehearsal import CannotRun, PlanFields, Rehearsal, rehearsal_for
 
@@ -264,18 +264,15 @@ class ScaledProfiles:
     def redrawn(self, batch: int) -> Profile:
         """A real step at ``batch`` again, every random generator (torch's, Python's and NumPy's)
         drawing from another seed; all put back after it."""
-        host, cuda = get_host_rng(), torch.cuda.is_initialized()  # (no step ran on CUDA if not)
-        try:
-            with torch.random.fork_rng(devices=None if cuda else []):
-                random.seed(REDRAW_SEED)
-                torch.default_generator.manual_seed(REDRAW_SEED)
-                if cuda:
-                    torch.cuda.manual_seed_all(REDRAW_SEED)
-                if "numpy" in sys.modules:
-                    sys.modules["numpy"].random.seed(REDRAW_SEED)
-                return self.real(batch)
-        finally:
-            set_host_rng(host)
+        cuda = torch.cuda.is_initialized()  # (no step ran on CUDA if not)
+        with generators_kept(range(torch.cuda.device_count()) if cuda else ()):
+            random.seed(REDRAW_SEED)
+            torch.default_generator.manual_seed(REDRAW_SEED)
+            if cuda:
+                torch.cuda.manual_seed_all(REDRAW_SEED)
+            if "numpy" in sys.modules:
+                sys.modules["numpy"].random.seed(REDRAW_SEED)
+            return self.real(batch)
 
 
 def off_by(guess: Profile, real: Profile) -> int:
