@@ -608,6 +608,51 @@ def test_planning_and_measuring_leave_python_attributes_as_found() -> None:
         assert torch.equal(p.grad, q.grad)
 
 
+class Draws(nn.Module):
+    """Blocks whose forward draws from Python's and NumPy's global generators (a mask, a
+    layer to skip) and torch's (dropout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.1)) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) * float(np.random.rand() + random.random())
+        return x.sum()
+
+
+def _generators() -> tuple[Any, ...]:
+    numpy_state = np.random.get_state()
+    return (torch.get_rng_state(), random.getstate(), numpy_state[1].tolist(), numpy_state[2])
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, x: autoremat.measure_memory(m, (x,), optimizer="sgd"),
+        lambda m, x: autoremat.plan(
+            m, (x,), device_memory="64MiB", sharding=autoremat.Sharding("fsdp2", 2)
+        ),
+        lambda m, x: autoremat.plan(m, (x,), budget="75%"),
+    ],
+    ids=["measure_memory", "plan-fsdp2", "plan"],
+)
+def test_torchs_pythons_and_numpys_generators_are_left_as_found(call: Any) -> None:
+    """``measure_memory`` and the emulated FSDP2 rank put back Python's and NumPy's global
+    generators, not torch's alone (before, both moved by the draws of the steps they ran)."""
+    model, x = Draws(), torch.randn(256, 64)
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    before = _generators()
+    call(model, x)
+    after = _generators()
+    assert torch.equal(after[0], before[0]) and after[1:] == before[1:]
+
+
 def test_hooks_a_model_installs_on_its_first_forward_come_back_with_their_flag() -> None:
     """transformers 5.x installs output-capturing hooks on a model's first forward and sets a
     plain attribute saying so. Planning puts both back (before: the hooks were removed and the

@@ -13,8 +13,8 @@ On CUDA it reports the caching allocator's most reserved bytes
 
 The model is put back afterwards: parameters and buffers get their values back (from a copy
 held on the host meanwhile), each parameter's ``.grad`` its tensor (or ``None``), each module
-its attributes and hooks (:func:`autoremat.record.snapshot.modules_kept`), and the global RNG
-state is restored.
+its attributes and hooks (:func:`autoremat.record.snapshot.modules_kept`), and the global
+random generators (torch's, Python's and NumPy's) are restored.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from autoremat.core.devices import model_device
+from autoremat.core.host_rng import generators_kept
 from autoremat.core.nested import tensor_bytes
 from autoremat.core.sizes import format_size
 from autoremat.record.memory import CpuAllocatorMemory, LiveMemory, cpu_allocator_countable
@@ -97,7 +98,7 @@ def measure_memory(
     how: StepHow = (loss_fn, step_autocast(autocast, model))  # (before the region is off)
     saved = _Saved(model)
     try:
-        with torch.random.fork_rng(devices=_cuda_devices(model)), modules_kept(model), \
+        with generators_kept(_cuda_devices(model)), modules_kept(model), \
                 no_ambient_autocast():
             return _run(model, args, kwargs or {}, make, how, steps)
     finally:

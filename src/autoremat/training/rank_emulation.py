@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autoremat.core.devices import model_device
+from autoremat.core.host_rng import generators_kept
 from autoremat.core.huggingface import ordinary_positions_on_meta
 from autoremat.core.nested import tensor_bytes
 from autoremat.planning.rehearsal import PlanFields, quiet
@@ -147,7 +148,7 @@ def emulate_fsdp2(
     cast = None if autocast is None else ("cpu", autocast[1])
     with (
         fake_world(sharding.world_size) as mesh,
-        torch.random.fork_rng(devices=[]),
+        generators_kept(),  # (a forward may draw from Python's or NumPy's too)
         FakeTensorMode(allow_non_fake_inputs=True),
         ordinary_positions_on_meta(),
     ):
