@@ -32,7 +32,7 @@ import autoremat
 import autoremat.comparison.recomputed
 from autoremat import wrap
 from autoremat.core import huggingface
-from autoremat.record.snapshot import RestoreError, all_or_nothing, preserved
+from autoremat.record.snapshot import RestoreError, all_or_nothing, modules_kept, preserved
 from autoremat.training.scale_batch import scale_batch
 from autoremat.wrap.checkpointed import Checkpointed
 from conftest import assert_same_step, tiny_llama
@@ -566,6 +566,21 @@ def test_all_or_nothing_undoes_what_its_log_recorded() -> None:
         log.set_attribute("c", model.c, "_autoremat_path", "c")
         raise Boom("half-way")
     assert type(model.b) is Stubborn and "_autoremat_path" not in vars(model.c)
+
+
+def test_modules_kept_chains_what_it_cannot_put_back_to_the_bodys_error() -> None:
+    """As ``preserved`` and ``all_or_nothing`` do: a module that cannot be put back after the
+    body failed is named in a RestoreError caused by the body's error (its traceback shown),
+    not by the restore's own; after a body that returns, by the restore's."""
+    model = Net(nn.Linear(8, 8))
+    for body_fails in (True, False):
+        with pytest.raises(RestoreError, match="keeps its class") as info, modules_kept(model):
+            object.__setattr__(model.b, "__class__", Stubborn)  # cannot be undone
+            if body_fails:
+                raise Boom("half-way")
+        assert isinstance(info.value.__cause__, Boom if body_fails else TypeError)
+        assert ("after the call failed (Boom)" in str(info.value)) is body_fails
+        object.__setattr__(model.b, "__class__", nn.Linear)
 
 
 # --- the model left exactly as found: its own attributes and lazily installed hooks ----------

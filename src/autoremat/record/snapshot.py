@@ -88,8 +88,10 @@ def modules_kept(model: nn.Module) -> Iterator[None]:
     log.keep(model.named_modules())
     try:
         yield
-    finally:
-        log.undo()
+    except BaseException as exc:
+        log.undo(exc)
+        raise
+    log.undo()
 
 
 @contextlib.contextmanager
