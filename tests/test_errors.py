@@ -252,6 +252,35 @@ def test_the_planner_returns_its_warnings_and_plan_logs_them(
     assert autoremat.plan(model, inputs, budget="100%").warnings.keys() == {"left_out"}
 
 
+def test_a_budget_plan_made_in_eval_mode_says_its_training_step_may_exceed_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In eval mode the planned step runs without dropout: its plan, applied to the training
+    step, measures over the budget (the danger), so ``plan`` warns once and says the fix; in
+    training mode, and for the levels strategy (no step run), it says nothing."""
+    torch.manual_seed(0)
+    blocks = (nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.5)) for _ in range(6))
+    model = nn.Sequential(*blocks)
+    inputs = (torch.randn(256, 64),)
+    model.eval()
+    with caplog.at_level(logging.WARNING, logger="autoremat"):
+        made = autoremat.plan(model, inputs, budget="60%")
+    assert "call model.train() before planning" in made.warnings["eval_mode"]
+    assert [r.getMessage() for r in caplog.records] == [made.warnings["eval_mode"]]
+    assert model.training is False  # (left as found)
+    model.train()
+    made.apply(model)
+    assert autoremat.measure(model, inputs).peak > made.budget
+    autoremat.remove(model)
+    assert "eval_mode" not in autoremat.plan(model, inputs, budget="95%").warnings
+    assert "eval_mode" not in autoremat.plan(model.eval(), inputs, segments=2).warnings
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="autoremat"):
+        found = autoremat.fit(model, lambda b: ((torch.randn(b, 64),), {}), device_memory="4MiB")
+    assert "may exceed the device's memory" in found.plan.warnings["eval_mode"]
+    assert found.plan.warnings["eval_mode"] in [r.getMessage() for r in caplog.records]
+
+
 def test_a_budget_of_a_few_bytes_or_below_zero_says_what_it_may_have_meant() -> None:
     """``"50"`` is 50 bytes (too low for any plan): the refusal offers ``"50%"``; ``"-1"`` is
     refused as negative."""

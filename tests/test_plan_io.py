@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from torch import nn
 
 import autoremat
 from autoremat.examples import EXAMPLES
+from autoremat.planning.choice import Choice
 from autoremat.planning.fingerprint import fingerprint, structure
 from autoremat.planning.plan_json import FORMAT
 from autoremat.planning.plans import Plan
@@ -251,3 +253,15 @@ def test_state_dict_of_a_model_wrapped_by_a_loaded_plan_keeps_its_keys(
     torch.testing.assert_close(
         model.state_dict()["h.0.attn.qkv.weight"], model.h[0].attn.qkv.weight.detach()
     )
+
+
+def test_a_budget_plans_table_says_what_a_run_entry_is() -> None:
+    """``c[0:2]`` reads as a slice: the table says, once, that it is children 0 to 1 of the
+    Sequential ``c`` recomputed as one; a plan without runs says nothing of it."""
+    choices = (Choice("a.b", 64, 10, "full", None), Choice("c[0:2]", 128, 20, "full", None))
+    plan = dataclasses.replace(_small_plan(), strategy="budget", segments=None, choices=choices)
+    lines = [line for line in plan.table().splitlines() if "recomputed as one" in line]
+    assert lines == ["c[0:2]: children 0 to 1 of the nn.Sequential c, recomputed as one "
+                     "(path[i:j] as in slicing)"]  # fmt: skip
+    alone = dataclasses.replace(plan, modules=("a.b",), choices=choices[:1])
+    assert "recomputed as one" not in alone.table()

@@ -45,6 +45,7 @@ from autoremat.record.step import Autocast, LossFn, StepHow, step_autocast
 from autoremat.training.device_model import DeviceModel, available_memory, device_model
 from autoremat.training.measure_memory import MemoryMeasurement, measure_memory
 from autoremat.training.optimizer_memory import OptimizerLike, optimizer_memory
+from autoremat.training.plan import eval_mode_warning
 from autoremat.training.prober import (
     Candidate,
     Inputs,
@@ -204,8 +205,7 @@ def fit(
     fastest = max(candidates, key=lambda c: (c.samples_per_second, c.batch))
     chosen = fastest if objective == "throughput" else candidates[-1]
     plan = chosen.plan or _no_recompute(model, prober.probe(chosen.batch))
-    if "left_out" in plan.warnings:
-        logger.warning("%s", plan.warnings["left_out"])
+    _warn(model, plan)
     measured, unsafe = _checked(model, make_inputs, chosen, plan, optimizer, (loss_fn, spec),
                                 verify, ranks)  # fmt: skip
     found = Fit(chosen.batch, plan, dm, tuple(candidates), without, measured, objective, chosen,
@@ -214,6 +214,16 @@ def fit(
     if found.fits is False:  # (a warning, and the Fit says so)
         logger.warning("batch %d was predicted to fit but measured %s", found.batch, measured)
     return found
+
+
+def _warn(model: nn.Module, plan: Plan) -> None:
+    """Log what the chosen plan says of modules left out, and of a model in eval mode (added to
+    its warnings as ``"eval_mode"``)."""
+    if not model.training:
+        plan.warnings["eval_mode"] = eval_mode_warning(model, "the device's memory")
+    for kind in ("left_out", "eval_mode"):
+        if kind in plan.warnings:
+            logger.warning("%s", plan.warnings[kind])
 
 
 def _check(objective: str, make_inputs: Inputs) -> None:

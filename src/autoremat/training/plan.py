@@ -24,7 +24,7 @@ from autoremat.training.device_plan import device_plan
 from autoremat.training.optimizer_memory import OptimizerLike
 from autoremat.training.sharding import Sharding
 
-__all__ = ["plan"]
+__all__ = ["eval_mode_warning", "plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +86,27 @@ def plan(
                                autocast=autocast, **how)  # fmt: skip
     if budget is not None and not compile:
         _compare_with_own_checkpointing(model, (args, kwargs or {}), made, loss_fn, autocast)
+    return _said(model, made)
+
+
+def _said(model: nn.Module, made: Plan) -> Plan:
+    """``made`` with the warning ``"eval_mode"`` added for a budget or device plan of a model
+    in eval mode, its warnings logged."""
+    if made.strategy == "budget" and not model.training:
+        made.warnings["eval_mode"] = eval_mode_warning(model, "its budget")
     for text in made.warnings.values():
         logger.warning("%s", text)
     return made
+
+
+def eval_mode_warning(model: nn.Module, exceeded: str) -> str:
+    """What a plan (or fit) made while ``model`` is in eval mode says: its step ran as it runs
+    now, and a training step may exceed its ``exceeded`` (what it was made to fit)."""
+    return (
+        f"{type(model).__name__} is in eval mode, so this plan was made for its step as it runs "
+        f"now (dropout off, batch norm on running statistics) and may exceed {exceeded} in "
+        f"training: call model.train() before planning a training step"
+    )
 
 
 def _check(budget: Any, device_memory: Any, segments: Any, optimizer: Any, reserve: Any,
