@@ -1,14 +1,14 @@
 """How long planning takes: the zoo's plan time and the Llama-70B shape on meta.
 
 For each model and precision: profile one step, find the lowest budget, plan a budget midway
-and one at the lowest (what ``make zoo`` times as ``plan s``), best of ``--repeats`` runs.
-Then the Llama-70B shape on ``meta`` (80 layers, 8192 wide, batch 8 x 4096): ``plan(75%)`` and
-``lowest_budget``, end to end. With ``--fit``, ``fit`` on three built-in examples instead
-(``looped`` and ``gpt2`` at 96 MiB, ``mlp`` at 48 MiB: the batch found and seconds). Runs
-with whatever ``autoremat`` is importable, so the same script times another checkout
-(``PYTHONPATH=<other>/src``) for a side-by-side table.
+and one at the lowest (what ``make zoo`` times as ``plan s``), best of ``--repeats`` runs; five
+zoo models, or with ``--zoo`` all of them. Then the Llama-70B shape on ``meta`` (80 layers,
+8192 wide, batch 8 x 4096): ``plan(75%)`` and ``lowest_budget``, end to end. With ``--fit``,
+``fit`` on three built-in examples instead (``looped`` and ``gpt2`` at 96 MiB, ``mlp`` at 48
+MiB: the batch found and seconds). Runs with whatever ``autoremat`` is importable, so the same
+script times another checkout (``PYTHONPATH=<other>/src``) for a side-by-side table.
 
-    cd benchmarks && ../.venv-zoo/bin/python plan_times.py [--repeats 2] [--no-70b] [--fit]
+    cd benchmarks && ../.venv-zoo/bin/python plan_times.py [--repeats 2] [--no-70b] [--zoo] [--fit]
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--zoo", action="store_true", help="every zoo model (--models ignored)")
     parser.add_argument("--no-70b", action="store_true")
     parser.add_argument("--fit", action="store_true", help="time fit on three examples only")
     options = parser.parse_args()
@@ -92,12 +93,15 @@ def main() -> None:
         fit_seconds()
         return
     print("| model | fp32 s | bf16 s |\n| --- | ---: | ---: |")
-    for name in options.models:
+    total = 0.0
+    for name in list(library_zoo.ZOO) if options.zoo else options.models:
         best = [
             min(zoo_plan_seconds(name, dtype) for _ in range(options.repeats))
             for dtype in (None, torch.bfloat16)
         ]
+        total += sum(best)
         print(f"| {name} | {best[0]:.2f} | {best[1]:.2f} |", flush=True)
+    print(f"\nin all: {total:.1f} s")
     if not options.no_70b:
         runs = [llama_70b_seconds() for _ in range(options.repeats)]
         print(
