@@ -315,6 +315,44 @@ def test_plan_with_compile_measures_the_compiled_step_within_the_budget() -> Non
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
 
 
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.slow
+def test_plans_compiled_while_planning_leave_the_recompile_limit_to_the_user() -> None:
+    """Each plan the search compiles is compiled apart (``isolate_recompiles``): planning twice
+    compiles past dynamo's recompile limit for the model's code (2 here), every try still
+    compiles (none runs eagerly while measured as compiled), and the user's own
+    ``torch.compile`` of the model afterwards compiles too. Before, the tries filled the
+    limit: later tries, and the user's compile, ran eagerly without a word."""
+    torch.manual_seed(0)
+    model, x = Stack(width=32), torch.randn(2, 16, 32)
+    made = []
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for budget in ("95%", "80%"):
+            before = _graphs()
+            plan = autoremat.plan(model, (x,), budget=budget, compile="aot_eager")
+            made.append(_graphs() - before)
+            assert plan.compiled_peak is not None and plan.compiled_peak <= plan.budget
+        assert min(made) > 0
+        before = _graphs()
+        _step(torch.compile(model, backend="aot_eager"), (x,), {})
+        assert _graphs() > before
+
+
+def test_a_compile_that_compiles_nothing_is_refused_not_measured_eagerly() -> None:
+    """Past dynamo's global cap on recompiles of one code (set to 1 here), a try would run its
+    step eagerly: ``plan`` raises, naming the fix, instead of measuring that as compiled."""
+    model, x = Stack(width=32), torch.randn(2, 16, 32)
+    with torch._dynamo.config.patch(accumulated_recompile_limit=1):
+        torch.compile(model, backend="aot_eager")(x)  # (the user's compile takes the one)
+        with pytest.raises(RuntimeError, match=r"compiled no graph of Stack.*_dynamo\.reset"):
+            autoremat.plan(model, (x,), budget="90%", compile="aot_eager")
+
+
 @pytest.mark.parametrize(
     ("model", "error", "message"),
     [
@@ -380,8 +418,10 @@ def test_plan_with_compile_plans_again_below_the_overshoot(monkeypatch: pytest.M
     assert "torch.compile" in (chosen.estimated_by or "")
 
     monkeypatch.setattr(compile_plan, "compiled_peak", lambda *a, **k: 10 * eager.budget)
-    with pytest.raises(autoremat.BudgetTooLow):
+    with pytest.raises(autoremat.BudgetTooLow, match="below the lowest compiled peak"):
         autoremat.plan(model, (x,), budget="75%", objective="flops", compile=True)
+    with pytest.raises(autoremat.BudgetTooLow, match="below the lowest peak"):  # (eager)
+        autoremat.plan(model, (x,), budget=eager.budget // 10)
 
 
 @pytest.mark.slow

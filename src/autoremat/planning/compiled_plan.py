@@ -38,22 +38,39 @@ def compiled_peak(
     ``chosen``'s entries applied and compiled by ``torch.compile(backend=backend)``, measured
     after a warm-up step (:func:`autoremat.measure` of a compiled model), with
     ``torch._inductor.config`` patched by ``inductor_config`` meanwhile. The model is left as
-    found: unwrapped, its state restored (:func:`autoremat.record.snapshot.preserved`); dynamo
-    keeps the graphs it compiled for the wrapped classes (they match nothing once unwrapped).
+    found: unwrapped, its state restored (:func:`autoremat.record.snapshot.preserved`). Each
+    call compiles apart (``isolate_recompiles``): its graphs, which match nothing once the
+    model is unwrapped, do not count against the recompile limit of the model's code that the
+    user's own ``torch.compile`` of it meets (past it dynamo runs the code eagerly).
 
     Raises:
         ValueError: the entries do not fit ``model`` (see :func:`autoremat.wrap.apply`).
+        RuntimeError: dynamo compiled no graph (its limits for the model's code are reached in
+            this process: it would have measured the eager step); the message gives the fix.
         Exception: whatever compiling or the step raises.
     """
+    from torch._dynamo.utils import counters  # (not on import: planning without compile)
+
     with preserved(model, leaf_inputs(args, kwargs)):
         apply(model, chosen.modules, selective=chosen.selective or {}, calls=chosen.calls)
         try:
             with torch._inductor.config.patch(**(inductor_config or {})):
-                compiled = cast(nn.Module, torch.compile(model, backend=backend))
-                train_step(compiled, args, kwargs, loss_fn)  # the cold compile, not measured
+                compiled = torch.compile(model, backend=backend, isolate_recompiles=True)  # type: ignore[call-overload]
+                graphs = counters["stats"]["unique_graphs"]
+                train_step(cast(nn.Module, compiled), args, kwargs, loss_fn)  # (cold: unmeasured)
+                if counters["stats"]["unique_graphs"] == graphs:
+                    raise RuntimeError(_NOTHING_COMPILED.format(type(model).__name__))
                 return measure(compiled, args, kwargs, loss_fn=loss_fn, memory="allocator").peak
         finally:
             remove(model)
+
+
+_NOTHING_COMPILED = (
+    "torch.compile compiled no graph of {}'s planned step: dynamo ran it eagerly, its "
+    "recompile limits for the model's code reached in this process "
+    "(torch._dynamo.config.accumulated_recompile_limit); call torch._dynamo.reset() and plan "
+    "again"
+)
 
 
 @dataclasses.dataclass(eq=False)  # (a runner: compared, and remembered, by identity)

@@ -164,8 +164,9 @@ class Planner:
         if least >= prof.peak:  # (at the step's peak, recompute holds nothing less)
             share = "the peak without recompute: recompute frees nothing at this step's peak"
         exact = "" if reached.endswith(" bytes") else f"; about {least} bytes"
+        compiled = " compiled" if self.rehearsal.way == "compiled" else ""  # (the share: eager)
         return BudgetTooLow(
-            f"budget {asked} is below the lowest peak that recomputing modules of "
+            f"budget {asked} is below the lowest{compiled} peak that recomputing modules of "
             f"{request.model_name} reaches, {reached} ({share}{exact}). Try budget={least}, "
             f"a smaller batch{'' if request.autocast else ', or mixed precision'}."
             f"{_left_out_hint(self.skipped)}{f' ({hint}.)' if hint else ''}",
