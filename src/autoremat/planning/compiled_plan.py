@@ -1,9 +1,5 @@
-"""A budget plan that holds under ``torch.compile``: each plan's step run compiled.
-
-The walk prices the eager step, and a compiled step peaks elsewhere (docs/guide.md, "The
-budget under compile", has the figures), so :func:`compiled_plan` (``plan(..., compile=...)``)
-runs each plan's step compiled instead of rehearsed eagerly.
-"""
+"""A budget plan that holds under ``torch.compile`` (``plan(..., compile=...)``): each plan's
+step run compiled: it peaks elsewhere than eagerly (docs/guide.md, "The budget under compile")."""
 
 from __future__ import annotations
 
@@ -39,14 +35,11 @@ def compiled_peak(
     after a warm-up step (:func:`autoremat.measure` of a compiled model), with
     ``torch._inductor.config`` patched by ``inductor_config`` meanwhile. The model is left as
     found: unwrapped, its state restored (:func:`autoremat.record.snapshot.preserved`). Each
-    call compiles apart (``isolate_recompiles``): its graphs, which match nothing once the
-    model is unwrapped, do not count against the recompile limit of the model's code that the
-    user's own ``torch.compile`` of it meets (past it dynamo runs the code eagerly).
+    call compiles apart (``isolate_recompiles``: docs/guide.md, "The budget under compile").
 
     Raises:
         ValueError: the entries do not fit ``model`` (see :func:`autoremat.wrap.apply`).
-        RuntimeError: dynamo compiled no graph (its limits for the model's code are reached in
-            this process: it would have measured the eager step); the message gives the fix.
+        RuntimeError: dynamo compiled no graph (its limits reached: it ran the step eagerly).
         Exception: whatever compiling or the step raises.
     """
     from torch._dynamo.utils import counters  # (not on import: planning without compile)
@@ -59,18 +52,13 @@ def compiled_peak(
                 graphs = counters["stats"]["unique_graphs"]
                 train_step(cast(nn.Module, compiled), args, kwargs, loss_fn)  # (cold: unmeasured)
                 if counters["stats"]["unique_graphs"] == graphs:
-                    raise RuntimeError(_NOTHING_COMPILED.format(type(model).__name__))
+                    raise RuntimeError(
+                        f"torch.compile compiled no graph of {type(model).__name__} (dynamo's "
+                        f"recompile limits reached): call torch._dynamo.reset() and plan again"
+                    )
                 return measure(compiled, args, kwargs, loss_fn=loss_fn, memory="allocator").peak
         finally:
             remove(model)
-
-
-_NOTHING_COMPILED = (
-    "torch.compile compiled no graph of {}'s planned step: dynamo ran it eagerly, its "
-    "recompile limits for the model's code reached in this process "
-    "(torch._dynamo.config.accumulated_recompile_limit); call torch._dynamo.reset() and plan "
-    "again"
-)
 
 
 @dataclasses.dataclass(eq=False)  # (a runner: compared, and remembered, by identity)
@@ -112,11 +100,10 @@ def compiled_plan(
     objective: str = "time",
     inductor_config: dict[str, Any] | None = None,
 ) -> Plan:
-    """``autoremat.plan(..., budget=..., compile=backend)``: every plan the search tries is
-    compiled with ``backend`` and one warm step measured by the allocator (:func:`compiled_peak`,
-    a cold compile each); the plan returned peaks within the budget compiled, its
-    ``compiled_peak`` (and ``estimated_peak``) that figure. The budget holds for the
-    configuration measured: ``torch.compile(model, backend=backend)`` with ``inductor_config``.
+    """``autoremat.plan(..., budget=..., compile=backend)``: each plan the search tries is
+    measured compiled (:func:`compiled_peak`); the plan returned peaks within the budget so, its
+    ``compiled_peak`` (and ``estimated_peak``) that figure: for ``torch.compile(model,
+    backend=backend)`` with ``inductor_config``.
 
     Raises:
         BudgetTooLow: no plan the search tried peaks within ``budget`` compiled; ``lowest`` is

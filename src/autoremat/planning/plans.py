@@ -221,9 +221,7 @@ class Plan:
                 f"{way} keeps the outputs of: {', '.join(shown)}"
                 + (f" (and {others} kernels of other devices)" if others else "")
             )
-        run = next((r for c in self.choices if (r := parse_run(c.path)) is not None), None)
-        if run is not None:  # (what a run entry means, on the first one)
-            path, i, j = run
+        for path, i, j in [r for c in self.choices if (r := parse_run(c.path))][:1]:  # (the first)
             rows.append(f"{run_entry(path, i, j)}: children {i} to {j - 1} of the nn.Sequential "
                         f"{path or '(root)'}, recomputed as one (path[i:j] as in slicing)")
         return "\n".join(rows)
