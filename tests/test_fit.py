@@ -435,6 +435,8 @@ def test_on_the_cpu_each_checkpoint_keeps_an_rng_state_which_every_figure_counts
     )  # fmt: skip
     assert found.plan.modules and found.chosen is not None
     assert found.chosen.memory.device <= found.device.total
+    entries = found.plan.modules  # (named in the answer, the first three)
+    assert f"plan: {len(entries)} entries ({', '.join(entries[:3])}" in str(found)
 
 
 def test_a_reserve_is_left_free_and_the_output_a_loop_may_keep_is_named() -> None:

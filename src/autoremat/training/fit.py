@@ -120,11 +120,15 @@ class Fit:
         return self.measured.reserved + self.device.runtime
 
     def __str__(self) -> str:
+        entries = self.plan.modules
+        named = ", ".join(p or "(root)" for p in entries[:3]) + (
+            f" and {len(entries) - 3} more" if len(entries) > 3 else ""
+        )
         lines = [
             f"batch {self.batch} fits {self.device}; the largest without recompute: "
             f"{self.largest_without_recompute} ({_AIMS[self.objective]})",
-            f"plan: {len(self.plan.modules)} entries, recompute adds "
-            f"{(self.plan.recompute_flops or 0) / 1e9:.3f} GFLOP",
+            f"plan: {len(entries)} entries{f' ({named})' if entries else ''}, recompute adds "
+            f"{(self.plan.recompute_flops or 0) / 1e9:.3f} GFLOP (each in .plan.summary())",
         ]
         if self.chosen is not None:
             counted = f" (optimizer {self.optimizer})" if self.optimizer else ""
