@@ -263,3 +263,35 @@ def test_a_budget_the_first_batch_cannot_meet_is_refused_without_a_real_profile(
         model(torch.randn(32, 64)).sum().backward()
     assert "cannot be planned on meta" not in caplog.text
     assert planner.plan is None and not autoremat.wrap.wrapped_paths(model)
+
+
+def test_a_first_batch_plan_of_the_hooked_modules_own_children_says_it_starts_a_step_late(
+    caplog: Any,
+) -> None:
+    """A run of the hooked Sequential's own children swaps its class after its first forward
+    had begun: that step's backward recomputes nothing (a child inside the run is not run
+    again), the next one's does, and the planner says so, naming the fix."""
+    from torch import nn
+
+    from autoremat.core.entries import module_of
+    from autoremat.integrations.first_batch import FirstBatchPlanner
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(6) for m in (nn.Linear(256, 256), nn.GELU())))
+    recomputes = [0]
+    model[4].register_forward_hook(
+        lambda *_: recomputes.__setitem__(0, recomputes[0] + autoremat.is_recomputing())
+    )
+    planner = FirstBatchPlanner(budget="70%", objective="flops")
+    planner.attach(model)
+    counted = []
+    for _ in range(2):
+        recomputes[0] = 0
+        loss = model(torch.randn(512, 256)).sum()
+        recomputes[0] = 0  # (the plan's runs while planning are not the step's)
+        loss.backward()
+        counted.append(recomputes[0])
+    assert planner.plan is not None and all(module_of(e) == "" for e in planner.plan.modules)
+    assert counted == [0, 1]
+    said = planner.plan.warnings["first_step"]
+    assert "the plan recomputes Sequential itself" in said and said in caplog.text

@@ -6,8 +6,10 @@ grad enabled), profiles the step on those very inputs on a ``meta`` shadow of th
 (:func:`autoremat.training.fit.meta_shadow`: no memory, no weights copied, nothing of the
 model's state touched, no random draw), plans it, and applies the plan in place before the
 forward goes on. A model whose step cannot run on ``meta`` is profiled for real on those
-inputs (left as found, :func:`autoremat.profile`). A plan that names the root module itself
-recomputes it from the second step on: its first forward had begun when the hook ran.
+inputs (left as found, :func:`autoremat.profile`). A plan that names the module itself (the
+module whole, a run of its children when it is an ``nn.Sequential``) recomputes it from the
+second step on: its first forward had begun when the hook ran. It says so (a warning, and
+``plan.warnings["first_step"]``).
 
 Under ``torch.distributed`` (a process group initialised, more than one rank) the plan is made
 on rank 0 alone and sent to every rank (:func:`autoremat.broadcast_plan`) at that first call,
@@ -28,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autoremat.core.devices import model_device
+from autoremat.core.entries import module_of
 from autoremat.costs.profile import profile
 from autoremat.planning.broadcast_plan import broadcast_plan
 from autoremat.planning.plan import plan_from_profile
@@ -85,9 +88,13 @@ class FirstBatchPlanner:
             return
         self.detach()
         _refuse_sharded(model)
-        self.plan = self.agreed(model, args, kwargs)
+        self.plan, name = self.agreed(model, args, kwargs), type(model).__name__
         self.plan.apply(model)
         logger.info("autoremat: %s", self.plan.summary())
+        own = [e or "(root)" for e in self.plan.modules if module_of(e) == ""]
+        if own:  # (the module's own class was swapped: this call had looked up its forward)
+            self.plan.warnings["first_step"] = _FIRST_STEP.format(name, ", ".join(own))
+            logger.warning("autoremat: %s", self.plan.warnings["first_step"])
         if self.on_plan is not None:
             self.on_plan(self.plan)
 
@@ -132,6 +139,14 @@ class FirstBatchPlanner:
         prof = profile(profiled, args, kwargs, loss_fn=self.loss_fn)
         rehearsal = rehearsal_for(prof, model_device(model))  # (counted as on the device)
         return plan_from_profile(model, prof, self.budget, rehearsal=rehearsal, **how)  # type: ignore[arg-type]
+
+
+_FIRST_STEP = (
+    "the plan recomputes {0} itself ({1}), whose first forward had begun when the plan was "
+    "applied: this first step runs without those entries, at the peak without them, and the "
+    "next steps with them. To recompute from the first step, hook a module that calls {0} "
+    "(with Lightning: no module=, and training_step calling self(...), whose forward calls it)"
+)
 
 
 def _redirected(model: nn.Module) -> bool:
