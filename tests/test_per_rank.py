@@ -387,3 +387,33 @@ def test_a_rank_plans_budget_is_the_step_peak_its_rank_step_leaves():
         assert made.estimated_peak is not None and made.budget is not None
         assert rank <= room and made.estimated_peak <= made.budget
         assert made.budget - made.estimated_peak == room - rank
+
+
+def test_measure_memory_on_a_ranks_model_says_what_it_does_not_see():
+    """``measure_memory`` counts one process's step: on a model DDP wraps it misses the
+    buckets, on one FSDP2 shards the gathers (``resize_``), so its figure is not the rank's
+    (2,279,416 bytes where an FSDP2 rank held 1,787,640, a user found): it warns, naming what
+    and ``predict_memory(sharding=...)``; on the plain model it does not."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    from autoremat.training.rank_emulation import fake_world
+
+    a, k = inputs("tinygpt", 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (none on the plain model)
+        autoremat.measure_memory(build("tinygpt"), a, k, steps=1)
+    with fake_world(2):
+        sharded = build("tinygpt")
+        for block in sharded.h:
+            fully_shard(block)
+        fully_shard(sharded)
+        with pytest.warns(UserWarning, match=r"FSDP's gathers.*not a rank's.*predict_memory"):
+            autoremat.measure_memory(sharded, a, k, steps=1)
+        # (DDP's step cannot run on the fake group: its comm hook gets nothing back)
+        ddp = torch.nn.parallel.DistributedDataParallel(build("tinygpt"))
+        said = pytest.warns(UserWarning, match=r"DDP's gradient buckets are not seen")
+        with said, pytest.raises(RuntimeError):
+            autoremat.measure_memory(ddp, a, k, steps=1)
+    assert not dist.is_initialized()

@@ -20,6 +20,7 @@ random generators (torch's, Python's and NumPy's) are restored.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from autoremat.core.host_rng import generators_kept
 from autoremat.core.nested import tensor_bytes
 from autoremat.core.sizes import format_size
 from autoremat.record.memory import CpuAllocatorMemory, LiveMemory, cpu_allocator_countable
-from autoremat.record.snapshot import modules_kept
+from autoremat.record.snapshot import fsdp_classes, modules_kept
 from autoremat.record.step import (
     Autocast,
     LossFn,
@@ -93,6 +94,14 @@ def measure_memory(
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    unseen = _unseen(model)
+    if unseen:
+        warnings.warn(
+            f"measure_memory counts this process's step as one device's: {unseen} are not "
+            f"seen, so its figure is not a rank's; autoremat.predict_memory(..., sharding="
+            f"autoremat.Sharding(...)) predicts a rank's to the byte (docs/scale.md)",
+            stacklevel=2,
+        )
     make = optimizer_factory(optimizer)
     loss_fn = default_loss if loss_fn is None else loss_fn
     how: StepHow = (loss_fn, step_autocast(autocast, model))  # (before the region is off)
@@ -103,6 +112,17 @@ def measure_memory(
             return _run(model, args, kwargs or {}, make, how, steps)
     finally:
         saved.restore()
+
+
+def _unseen(model: nn.Module) -> str:
+    """What a rank holds that this measure does not see: DDP's gradient buckets (from outside
+    the step), FSDP2's gathers (``UntypedStorage.resize_``, which no op shows); ``""``."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "DDP's gradient buckets"
+    fsdp = fsdp_classes()
+    if fsdp and any(isinstance(m, fsdp) for m in model.modules()):
+        return "FSDP's gathers and frees (UntypedStorage.resize_)"
+    return ""
 
 
 def _run(
