@@ -125,6 +125,11 @@ CASES: dict[str, tuple[Callable[[nn.Module], object], type, str]] = {
         ValueError,
         r"made for a Sequential, not a Net.*autoremat\.plan\(model",
     ),
+    "plan applied to a wrapper of its model (DDP's .module)": (
+        lambda m: autoremat.plan(m, (x(),), segments=2).apply(nn.DataParallel(m)),
+        ValueError,
+        r"made for a Net, not a DataParallel.*the model inside \(DataParallel\.module\)",
+    ),
     "path that does not exist": (
         lambda m: Plan(modules=("blocks.7",), strategy="levels", model_class="Net").apply(m),
         ValueError,

@@ -104,18 +104,16 @@ class Plan:
 
     def check(self, model: nn.Module) -> None:
         """Raise ``ValueError`` unless ``model`` has the module structure the plan was made
-        for (same :func:`fingerprint`); the message names the modules that no longer exist
-        and the ones that are new."""
+        for (same :func:`fingerprint`); the message names the modules gone and new."""
         if self.fingerprint is None or fingerprint(model) == self.fingerprint:
             return
-        detail = self._differences(structure(model))
-        other = type(model).__name__
+        detail, other = self._differences(structure(model)), type(model).__name__
         if other != self.model_class:
-            raise ValueError(
-                f"this plan was made for a {self.model_class}, not a {other}: "
-                f"{'; '.join(detail[:1])}. Make a plan from this model "
-                f"(autoremat.plan(model, ...))"
-            )
+            inside = type(getattr(model, "module", None)).__name__ == self.model_class  # (DDP's)
+            fix = (f"Apply it to the model inside ({other}.module), or before wrapping" if inside
+                   else "Make a plan from this model (autoremat.plan(model, ...))")  # fmt: skip
+            raise ValueError(f"this plan was made for a {self.model_class}, not a {other}: "
+                             f"{'; '.join(detail[:1])}. {fix}")  # fmt: skip
         raise ValueError(
             f"this plan was made for a {self.model_class} with another module structure "
             f"(fingerprint {self.fingerprint}, the model's is {fingerprint(model)}): "
