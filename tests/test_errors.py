@@ -257,6 +257,17 @@ def test_the_planner_returns_its_warnings_and_plan_logs_them(
     assert autoremat.plan(model, inputs, budget="100%").warnings.keys() == {"left_out"}
 
 
+def test_a_lowest_peak_just_under_the_peak_is_not_called_100_percent_of_it() -> None:
+    """The refusal's share of the peak is floored: a lowest at 99.8% of the peak (this model's
+    weights' gradients dominate its step) reads 99%, not 100%, which would say recompute
+    lowers nothing."""
+    m = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(3)))
+    with pytest.raises(autoremat.BudgetTooLow) as refused:
+        autoremat.plan(m, (torch.randn(88, 256),), budget=1000)
+    assert 0.995 * refused.value.baseline < refused.value.lowest < refused.value.baseline
+    assert "(99% of the" in str(refused.value)
+
+
 def test_a_budget_plan_made_in_eval_mode_says_its_training_step_may_exceed_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -160,7 +160,8 @@ class Planner:
         if asked == reached:  # (a budget just below: the bytes tell them apart)
             asked, reached = f"{limit:,} bytes", f"{least:,} bytes"
         asked += "" if given == limit else f" ({given!r})"  # (as given, unless it is bytes)
-        share = f"{least / prof.peak:.0%} of the {format_size(prof.peak)} peak without recompute"
+        floored = 100 * least // prof.peak  # (99.8% is not 100%: recompute does lower it)
+        share = f"{floored}% of the {format_size(prof.peak)} peak without recompute"
         if least >= prof.peak:  # (at the step's peak, recompute holds nothing less)
             share = "the peak without recompute: recompute frees nothing at this step's peak"
         exact = "" if reached.endswith(" bytes") else f"; about {least} bytes"
