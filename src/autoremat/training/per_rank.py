@@ -131,8 +131,7 @@ class RankPlanner:
             room = max(room, self.prof.peak)
         judge = lambda chosen: self.memory(chosen).device - dm.limit  # noqa: E731
         found = planned(step.model, self.planner, room, judge, self.too_low)
-        memory = self.memory(PlanFields(found.modules, found.selective, found.calls))
-        return _budgeted(found, dm.limit - memory.device), memory
+        return found, self.memory(PlanFields(found.modules, found.selective, found.calls))
 
     def too_low(self) -> BudgetTooLow:
         floor, step = self.lowest(), self.step
@@ -144,23 +143,6 @@ class RankPlanner:
             floor.step_peak,
             self.prof.peak,
         )
-
-
-def _budgeted(found: Plan, slack: int) -> Plan:
-    """``found`` with the budget its rank step leaves its step peak (its estimated peak plus
-    the ``slack`` of the rank's step under the device's limit: the search's limit guessed the
-    gathers from the plan without recompute, and a plan's own may differ); its near-lowest
-    warning said per rank, without the search's limit."""
-    if found.estimated_peak is None:
-        return found
-    warnings = dict(found.warnings)
-    if "near_lowest" in warnings:
-        warnings["near_lowest"] = (
-            f"the device leaves each rank's step little more than the lowest peak recomputing "
-            f"modules of {found.model_class} reaches: the plan recomputes about all it can "
-            f"({len(found.modules)} entries); a slightly larger device may cost much less"
-        )
-    return dataclasses.replace(found, budget=found.estimated_peak + slack, warnings=warnings)
 
 
 def plan_for_rank(

@@ -187,17 +187,18 @@ class Planner:
         if found is None:
             raise too_low() if too_low else self.too_low(limit)
         (chosen, peak), prof, request = found, self.prof, self.request
+        budget = limit if judge is None else peak - judge(chosen)  # (the peak its step leaves)
         choices = choices_for(prof, list(chosen))
         warnings = {
             "left_out": left_out_warning(self.skipped, request.model_name),
-            "near_lowest": self._near_lowest(chosen, limit, len(choices)),
+            "near_lowest": self._near_lowest(chosen, budget, len(choices)),
         }
         entries = _fields_of(prof, choices)
         return {
             "modules": entries.modules,
             "selective": dict(entries.selective or {}),
             "calls": dict(entries.calls or {}),
-            "budget": limit,
+            "budget": budget,
             "estimated_peak": peak,
             "estimated_by": self.priced or self.rehearsal.how,
             "baseline_peak": prof.peak,
