@@ -90,13 +90,20 @@ def block_bytes(nbytes: int, block: int = 1) -> int:
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     """The untyped storages behind ``t`` (several for a traceable wrapper subclass, none for a
     tensor without storage, such as a sparse tensor)."""
-    if is_traceable_wrapper_subclass(t):
+    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
         inner = [getattr(t, attr) for attr in t.__tensor_flatten__()[0]]
         return [st for x in inner if isinstance(x, torch.Tensor) for st in _storages(x)]
     try:
         return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError):
         return []
+
+
+def _inputs(func: Any, args: Any, kwargs: Any, first: torch.Tensor) -> set[int]:
+    """The ids of the storages of an op's inputs (none: its outputs are all new)."""
+    if func is torch.ops.aten.lift_fresh.default or (first.is_meta and fresh_only(func)):
+        return set()  # (torch.tensor(...)'s data; on meta, a fresh-only op's outputs)
+    return {id(st) for t in op_tensors((args, kwargs)) for st in _storages(t)}
 
 
 class LiveMemory(TorchDispatchMode):
@@ -189,18 +196,13 @@ class LiveMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = run_kernel(func, args, kwargs or {})  # (on meta, each kernel once per input)
-        outputs = op_tensors(out)
-        if not outputs:
-            return out
-        known: set[int] = set()
-        made_outside = func is torch.ops.aten.lift_fresh.default  # (torch.tensor(...) data)
-        if not made_outside and not (outputs[0].is_meta and fresh_only(func)):
-            for t in op_tensors((args, kwargs)):  # (on meta, a fresh-only op's are new)
-                known.update(id(st) for st in _storages(t))
+        outputs = [out] if type(out) is torch.Tensor else op_tensors(out)
+        known: set[int] | None = None  # the inputs' storages, found once one is needed
         with self._lock:
-            for t in outputs:
-                for st in _storages(t):
-                    self._add(st, known, func)  # (named by str() only in the trace)
+            for st in (st for t in outputs for st in _storages(t)):
+                if known is None and id(st) not in self._live:
+                    known = _inputs(func, args, kwargs, outputs[0])
+                self._add(st, known or set(), func)  # (named by str() only in the trace)
             self.peak = max(self.peak, self.current)
         return out
 

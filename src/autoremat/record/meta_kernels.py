@@ -59,6 +59,8 @@ class RememberedKernels(TorchDispatchMode):
 
 def _key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
     """What the op's result depends on, hashable; ``None`` when it cannot be remembered."""
+    if args and type(args[0]) is torch.Tensor and not args[0].is_meta:
+        return None  # (the common case, found first: not on meta)
     parts: list[Any] = [func]
     fits = fresh_only(func) and all(_add(value, parts) for value in (*args, *kwargs.items()))
     return tuple(parts) if fits else None

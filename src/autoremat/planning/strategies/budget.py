@@ -21,15 +21,7 @@ from autoremat.costs.profile import Profile
 from autoremat.planning.choice import OBJECTIVES, Choice
 from autoremat.planning.planning_tree import planning_tree, recompute_seconds
 from autoremat.planning.rehearsal import CannotRun, PlanFields, Rehearsal, rehearsal_for
-from autoremat.planning.search import (
-    SLACK,
-    Chosen,
-    Judge,
-    Walk,
-    cheapest,
-    hand_plans,
-    lowest,
-)
+from autoremat.planning.search import SLACK, Chosen, Judge, Walk, cheapest, hand_plans, lowest
 from autoremat.planning.solver import Item
 from autoremat.planning.strategy import Request, Strategy, left_out_warning
 from autoremat.record.tree import find_blocks
