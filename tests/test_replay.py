@@ -345,6 +345,64 @@ def test_a_private_random_generator_is_left_out(how) -> None:
     assert breaks(model, ["mid.0"], (x_in(),))
 
 
+class DrawsFrom(nn.Module):
+    """Adds noise drawn from the generator its caller passes (``gen``), counting the draws
+    made while recomputing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(WIDTH, 64), nn.Linear(64, WIDTH)
+        self.recomputed = 0
+
+    def forward(self, x: torch.Tensor, gen: Any) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        if isinstance(gen, torch.Generator):
+            noise = torch.randn(h.shape, generator=gen)
+        else:  # (random.Random, NumPy's: one number for the whole batch)
+            noise = torch.tensor(gen.random() if hasattr(gen, "random") else gen.rand())
+        self.recomputed += autoremat.is_recomputing()
+        return self.fc2(torch.tanh(h + noise))
+
+
+class PassesGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = DrawsFrom(), DrawsFrom()
+
+    def forward(self, x: torch.Tensor, gen: Any) -> torch.Tensor:
+        return self.second(self.first(x, gen), gen=gen)  # (positionally, then by keyword)
+
+
+@pytest.mark.parametrize("kind", ["torch", "python", "numpy", "numpy legacy"])
+def test_a_generator_passed_in_is_replayed_for_the_recompute(kind) -> None:
+    """A forward that draws from a generator its caller passes draws the same in its
+    recompute (before: other noise, gradients off by most of their scale, with nothing
+    left out), and the generator ends where the unwrapped step leaves it."""
+    import random
+
+    import numpy as np
+
+    make = {"torch": lambda: torch.Generator().manual_seed(7), "python": lambda: random.Random(7),
+            "numpy": lambda: np.random.default_rng(7),
+            "numpy legacy": lambda: np.random.RandomState(7)}[kind]  # fmt: skip
+    torch.manual_seed(0)
+    model, x = PassesGenerator(), x_in()
+    wrapped = wrap.apply(copy.deepcopy(model), ["first", "second"])
+    ends = []
+    for m in (model, wrapped):
+        gen = make()
+        loss = m(x, gen).square().mean()
+        loss.backward()
+        ends.append(torch.rand(1, generator=gen).item() if kind == "torch"
+                    else gen.random() if hasattr(gen, "random") else gen.rand())  # fmt: skip
+    assert [wrapped.first.recomputed, wrapped.second.recomputed] == [1, 1]
+    for (name, p), q in zip(model.named_parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    assert ends[0] == ends[1]
+    plan = autoremat.plan(model, (x,), {"gen": make()}, budget=0.9)
+    assert plan.modules and not plan.left_out
+
+
 def test_what_only_a_first_forward_sets_up_is_not_left_out() -> None:
     model = Around(LazySetUp())
     assert all(n.recompute_reason is None for n in autoremat.build_tree(model, (x_in(),)).walk())

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostRng", "generators_kept", "get_host_rng", "set_host_rng"]
+__all__ = ["HostRng", "generators_kept", "get_host_rng", "passed_generators", "set_generators",
+           "set_host_rng"]  # fmt: skip
 
 # (Python's state, NumPy's state or None when NumPy was not imported)
 HostRng = tuple[Any, Any]
@@ -33,6 +34,42 @@ def set_host_rng(states: HostRng) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None and numpy_state is not None:
         numpy.random.set_state(numpy_state)
+
+
+def passed_generators(args: Iterable[Any], kwargs: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """``(generator, its state)`` for each random generator passed to a call, positionally or
+    by keyword: torch's ``Generator``, Python's ``random.Random``, NumPy's ``Generator`` and
+    ``RandomState`` (a forward that draws from one it is given: :mod:`autoremat.wrap.replay`)."""
+    found = {id(v): v for v in (*args, *kwargs.values()) if _kind(v)}
+    return [(g, _STATES[_kind(g)][0](g)) for g in found.values()]
+
+
+def set_generators(states: Iterable[tuple[Any, Any]]) -> None:
+    """Put each generator back in its state, as :func:`passed_generators` gave them."""
+    for g, state in states:
+        _STATES[_kind(g)][1](g, state)
+
+
+# a generator's kind -> how its state is read and set
+_STATES: dict[str, tuple[Any, Any]] = {
+    "torch": (torch.Generator.get_state, torch.Generator.set_state),
+    "python": (random.Random.getstate, random.Random.setstate),
+    "numpy": (lambda g: g.bit_generator.state, lambda g, s: setattr(g.bit_generator, "state", s)),
+    "numpy legacy": (lambda g: g.get_state(), lambda g, s: g.set_state(s)),
+}
+
+
+def _kind(value: Any) -> str:
+    """Which of :data:`_STATES` ``value`` is, ``""`` for no generator."""
+    if isinstance(value, torch.Generator):
+        return "torch"
+    if isinstance(value, random.Random):
+        return "python"
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.random.Generator):
+        return "numpy"
+    legacy = numpy is not None and isinstance(value, numpy.random.RandomState)
+    return "numpy legacy" if legacy else ""
 
 
 @contextlib.contextmanager

@@ -21,7 +21,10 @@ back:
   casts, as checkpoint gives a real autocast's recompute.
 * **Python's** ``random`` **and NumPy's global generator** (when NumPy is imported): set to
   their state at the forward's start for the recompute, then to their present state again, so
-  a random-depth knob draws the same and the training loop's own draws are untouched.
+  a random-depth knob draws the same and the training loop's own draws are untouched; so are
+  the **generators passed to the call** (a ``torch.Generator``, ``random.Random`` or NumPy
+  generator among its arguments, not inside a container: the noise a forward draws from the
+  generator its caller gives it).
 * **Containers among the inputs**: the lists and dicts a call received (DenseNet's dense
   layers receive the list of features their block appends to after the call), as they were
   when it began: the checkpoint keeps copies made of their items then
@@ -52,7 +55,13 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 from torch.utils.checkpoint import CheckpointError
 
-from autoremat.core.host_rng import HostRng, get_host_rng, set_host_rng
+from autoremat.core.host_rng import (
+    HostRng,
+    get_host_rng,
+    passed_generators,
+    set_generators,
+    set_host_rng,
+)
 from autoremat.core.nested import iter_tensors, version_of
 from autoremat.record.autocast_meta import MetaAutocast, meta_autocast_now
 
@@ -112,6 +121,7 @@ class CheckpointedCall:
         "cursor",
         "decisions",
         "first",
+        "generators",
         "host_rng",
         "label",
         "owners",
@@ -129,6 +139,7 @@ class CheckpointedCall:
         self.positional: list[tuple[int, weakref.ref[torch.Tensor], int | None]] = []
         self.before: Buffers = {}  # pre-forward values of the buffers the forward changed
         self.host_rng: HostRng = (None, None)
+        self.generators: list[tuple[Any, Any]] = []  # generators passed in, as forwarded
         self.decisions: list[Any] = []  # what decided() gave inside the forward, in order
         self.cursor = 0
         self.replaying = False
@@ -152,6 +163,7 @@ class CheckpointedCall:
         self.signature = _state_signature(args, kwargs)
         versions = _positional_versions(args)
         self.host_rng = get_host_rng()
+        self.generators = passed_generators(args, kwargs)
         self.autocast = meta_autocast_now()
         objects = _buffers(self.owners)
         values = _values(objects)
@@ -188,9 +200,10 @@ class CheckpointedCall:
             raise CheckpointError(self._changed_message(now))
         after = _buffers(self.owners)
         values = _values(after)
-        present_rng = get_host_rng()
+        present_rng, present_generators = get_host_rng(), passed_generators(args, kwargs)
         _install({key: _copy(value) for key, value in self.before.items()})
         set_host_rng(self.host_rng)
+        set_generators(self.generators)
         entries = _state.__dict__.setdefault("recomputing", [])
         entries.append(self.label)
         region = self.autocast.again() if self.autocast else contextlib.nullcontext()
@@ -200,6 +213,7 @@ class CheckpointedCall:
         finally:
             entries.pop()
             set_host_rng(present_rng)
+            set_generators(present_generators)
             _restore(self.owners, after)
             _reset_values(values)
 
