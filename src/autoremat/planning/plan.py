@@ -153,13 +153,8 @@ def planned(
     return _made(model, "budget", planner.prof.module_tree, planner.fields(limit, judge, too_low))
 
 
-def profile_lowest(
-    prof: Profile,
-    *,
-    selective: bool = True,
-    objective: str = "time",
-    rehearsal: Rehearsal | None = None,
-) -> int:
+def profile_lowest(prof: Profile, *, selective: bool = True, objective: str = "time",
+                   rehearsal: Rehearsal | None = None) -> int:  # fmt: skip
     """:func:`lowest_budget` from ``prof``, a profile already made (plans run as
     :func:`plan_from_profile` runs them)."""
     request = Request("model", None, 1, None, selective, objective, rehearsal=rehearsal)

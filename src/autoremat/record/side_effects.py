@@ -71,6 +71,7 @@ _BY_VALUE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, tor
              torch.layout, torch.memory_format, enum.Enum, type, slice, range)  # fmt: skip
 _PLAIN = frozenset({int, bool, str, type(None)})  # the usual attribute values, fast
 _ATTR = "attr"  # marks an object's attribute among the items: (_ATTR, name)
+_PARAMETER = "parameter "  # names a parameter among a module's state (written in place)
 _CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
 # objects compared by identity only: their attributes are code or torch's, not state
 _OPAQUE = (nn.Module, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
@@ -220,11 +221,20 @@ State = dict[str, list[Any]]
 
 def module_state(module: nn.Module, flat: _Flattener | None = None) -> State:
     """The Python attributes of ``module`` (its ``__dict__`` less torch's own entries and
-    autoremat's), by name, each flattened into comparable items (module docstring)."""
+    autoremat's), by name, each flattened into comparable items (module docstring); and its
+    own parameters, by identity and version counter (named :data:`_PARAMETER` + name)."""
     attrs = module.__dict__
     names = attrs.keys() - _TORCH_ENTRIES  # (never empty: "training" is there)
     flat = _Flattener() if flat is None else flat
-    return {n: flat.items(attrs[n]) for n in sorted(names) if not n.startswith(_TORCH_PREFIXES)}
+    state = {n: flat.items(attrs[n]) for n in sorted(names) if not n.startswith(_TORCH_PREFIXES)}
+    params = module._parameters.items()
+    return state | {_PARAMETER + n: [_Ref(p, version_of(p))] for n, p in params if p is not None}
+
+
+def _named(name: str) -> str:
+    """An attribute of :func:`module_state` as a message names it."""
+    plain = name.removeprefix(_PARAMETER)
+    return f"parameter {plain!r}" if plain != name else f"Python attribute {name!r}"
 
 
 def _changed(before: State, after: State, skip: Collection[str] = ()) -> str | None:
@@ -418,14 +428,13 @@ class ReplayCheck:
     def _state_reason(self, call: _Call, m: nn.Module, name: str) -> str:
         if m is not call.module:
             what = (
-                f"the Python attribute {name!r} of its submodule {self.paths.get(id(m), '?')!r} "
+                f"the {_named(name)} of its submodule {self.paths.get(id(m), '?')!r} "
                 f"changes during the forward"
             )
         elif call.own_after is None or _changed(call.states[0][1], call.own_after) is not None:
-            what = f"its forward changes the Python attribute {name!r}"
+            what = f"its forward changes the {_named(name)}"
         else:
             what = (
-                f"its Python attribute {name!r} is changed by another module's forward after "
-                f"its call"
+                f"its {_named(name)} is changed by another module's forward after its call"
             )
         return f"{what} (a recompute would see the changed value)"
