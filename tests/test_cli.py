@@ -113,6 +113,14 @@ def test_plan_objective_flag(capsys):
     assert "--objective applies to budget and device plans" in capsys.readouterr().err
 
 
+def test_a_loss_no_step_uses_is_refused_not_ignored(capsys):
+    """A ``--segments`` plan runs no step: a ``--loss`` with it was ignored, a typo too."""
+    assert main(["plan", "gpt2", "--segments", "2", "--loss", "nosuch"]) == 2
+    assert "--loss applies to the steps that run" in capsys.readouterr().err
+    assert main(["plan", "gpt2", "--segments", "2", "--loss", "nosuch", "--measure"]) == 2
+    assert "has no 'nosuch'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "words"),
     [

@@ -178,6 +178,15 @@ def test_a_model_that_cannot_train_at_batch_one_is_fitted_from_two() -> None:
         )
 
 
+@pytest.mark.parametrize("max_batch", [0, -3, 2.5])
+def test_a_max_batch_below_one_is_refused_before_anything_runs(max_batch) -> None:
+    """Before: BudgetTooLow, "even a batch of 1 does not fit", on a device the model fits."""
+    model, args, kwargs = EXAMPLES["mlp"]()
+    with pytest.raises(ValueError, match="max_batch must be a whole number of at least 1"):
+        autoremat.fit(model, lambda b: scale_batch(args, kwargs, b), device_memory="10MiB",
+                      max_batch=max_batch)  # fmt: skip
+
+
 def test_a_device_too_small_for_a_batch_of_one_says_what_it_needs() -> None:
     model, args, kwargs = EXAMPLES["mlp"]()
     with pytest.raises(ValueError, match=r"even a batch of 1 does not fit 1.00 MiB.*needs"):

@@ -88,6 +88,9 @@ def _plan_command(ns: argparse.Namespace) -> int:
     sharding = sharding_arg(ns.sharding, ns.world_size, ns.fsdp_units)
     if ns.device_memory is None and (sharding or ns.optimizer):
         raise CliError("--optimizer and --sharding size the whole step: add --device-memory")
+    if ns.loss and ns.budget is None and ns.device_memory is None and not (ns.measure or ns.plot):
+        raise CliError("--loss applies to the steps that run: add --budget, --device-memory, "
+                       "--measure or --plot (a --segments plan runs no step)")  # fmt: skip
     loss_fn = loss_from_output(ns.loss)
     _writable_outputs(ns)
     model, args, kwargs = load_target(ns.target)

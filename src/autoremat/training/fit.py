@@ -196,10 +196,10 @@ def fit(
         BudgetTooLow: (a ValueError) even a batch of 1 does not fit with the most recompute
             (the message gives what its step needs, one part a line).
         ValueError: an unknown objective or optimizer, a malformed ``device_memory`` or
-            ``reserve``.
+            ``reserve``, a ``max_batch`` below 1.
         TypeError: ``make_inputs`` is not callable (the message shows a call that is).
     """
-    _check(objective, make_inputs)
+    _check(objective, make_inputs, max_batch)
     dm = device_model(device_memory, model_device(model), reserve)
     spec = step_autocast(autocast, model)
     ranks = sharding_of(model, sharding)
@@ -230,10 +230,13 @@ def _warn(model: nn.Module, plan: Plan) -> None:
             logger.warning("%s", plan.warnings[kind])
 
 
-def _check(objective: str, make_inputs: Inputs) -> None:
-    """:func:`fit`'s ``objective`` and ``make_inputs`` checked before anything runs."""
+def _check(objective: str, make_inputs: Inputs, max_batch: int) -> None:
+    """:func:`fit`'s ``objective``, ``make_inputs`` and ``max_batch`` checked before anything
+    runs."""
     if objective not in FIT_OBJECTIVES:
         raise ValueError(f"objective must be one of {FIT_OBJECTIVES}, got {objective!r}")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be a whole number of at least 1, got {max_batch!r}")
     if not callable(make_inputs):
         raise TypeError(
             f"make_inputs must be a function of the batch size that returns (args, kwargs), "
