@@ -239,7 +239,7 @@ STRATEGIES = [
 @pytest.mark.parametrize("how", STRATEGIES)
 def test_a_warm_up_counter_is_left_out_with_every_module_around_it(how, caplog) -> None:
     model = Around(nn.Sequential(WarmUp(), nn.Dropout(0.1), mlp()))
-    tree = autoremat.build_tree(Around(nn.Sequential(Decays(), mlp())), (x_in(),))
+    tree = autoremat.build_tree(model, (x_in(),))
     assert tree.find("mid.0").replay_reason == (
         "its forward changes the Python attribute 'step' (a recompute would see the changed value)"
     )
@@ -277,7 +277,7 @@ def test_a_module_appending_to_a_list_is_left_out() -> None:
 
 def test_a_parent_that_sets_its_childs_attribute_replays_it_and_is_kept() -> None:
     model = Around(SetsChild())
-    tree = autoremat.build_tree(Around(nn.Sequential(Decays(), mlp())), (x_in(),))
+    tree = autoremat.build_tree(model, (x_in(),))
     assert "is changed by another module's forward" in tree.find("mid.child").replay_reason
     assert tree.find("mid").recompute_reason is None
     plan, reference = planned(model, (x_in(),), segments=2)
@@ -294,7 +294,7 @@ def test_a_parent_that_resets_its_childs_state_before_each_call_is_kept() -> Non
     replays it and is kept; the child alone would start its recompute from the state its
     forward left, and is left out, named with the attribute (issue 40)."""
     model = Around(ResetsChild())
-    tree = autoremat.build_tree(Around(nn.Sequential(Decays(), mlp())), (x_in(),))
+    tree = autoremat.build_tree(model, (x_in(),))
     reason = tree.find("mid.child").replay_reason
     assert reason is not None and "its forward changes the Python attribute 'state'" in reason
     assert tree.find("mid").recompute_reason is None and tree.recompute_reason is None
@@ -494,7 +494,7 @@ def test_long_lists_and_plain_tensor_attributes_are_seen_at_bounded_cost() -> No
 @pytest.mark.parametrize("how", STRATEGIES)
 def test_a_module_that_changes_its_input_in_place_is_left_out_its_parent_is_not(how) -> None:
     model = Around(ReluInPlace())
-    tree = autoremat.build_tree(Around(nn.Sequential(Decays(), mlp())), (x_in(),))
+    tree = autoremat.build_tree(model, (x_in(),))
     assert tree.find("mid").inplace_reason == (
         "its forward changes its input 'args[0]' in place (checkpoint keeps its inputs for the "
         "recompute, so backward would fail)"
@@ -515,7 +515,7 @@ def test_an_output_that_is_the_input_changed_in_place_by_the_caller_is_left_out(
     view: bool, last: bool
 ) -> None:
     model = Doubling(view, last)
-    tree = autoremat.build_tree(Around(nn.Sequential(Decays(), mlp())), (x_in(),))
+    tree = autoremat.build_tree(model, (x_in(),))
     assert tree.find("both").inplace_reason == (
         "its output 'out[0]' is its input 'args[0]' or a view of it, and is changed in place "
         "after it returns (checkpoint keeps its inputs for the recompute, so backward would "
@@ -707,6 +707,29 @@ def test_a_wrong_left_out_is_refused(left_out: object, fragment: str) -> None:
 
 
 # --- no false positives ---------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.nn.utils.weight_norm.*:FutureWarning")
+@pytest.mark.parametrize("norm", [nn.utils.spectral_norm, nn.utils.weight_norm])
+def test_torch_hook_based_norms_leave_nothing_out(norm) -> None:
+    """The hook-based ``spectral_norm`` and ``weight_norm`` set ``weight`` as each call begins,
+    from the module's own parameters and buffers (which the wrap replays): before, every
+    module around one was left out for it, and a model of such blocks got no plan (its lowest
+    budget the peak without recompute, a helper's discriminator-style model)."""
+
+    def blocks() -> nn.Module:  # (built twice: weight_norm's hook makes a model no deepcopy takes)
+        torch.manual_seed(0)
+        return nn.Sequential(*(nn.Sequential(norm(nn.Linear(WIDTH, 64)), nn.GELU(),
+                                             nn.Linear(64, WIDTH)) for _ in range(3)))  # fmt: skip
+
+    model, reference = blocks(), blocks()
+    tree = autoremat.build_tree(model, (x_in(),))
+    assert {n.path: n.recompute_reason for n in tree.walk() if n.recompute_reason} == {}
+    lowest = autoremat.lowest_budget(model, (x_in(),))
+    assert lowest < autoremat.measure(model, (x_in(),)).peak
+    plan = autoremat.plan(model, (x_in(),), budget=lowest)
+    assert plan.modules and not plan.left_out
+    same_two_steps(reference, plan.apply(model), (x_in(),))
 
 
 def test_no_example_model_has_anything_left_out(example) -> None:

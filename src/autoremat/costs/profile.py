@@ -247,15 +247,8 @@ def profile(
         return _profile(model, args, kwargs, loss_fn, autocast, hf_cache, timed)
 
 
-def _profile(
-    model: nn.Module,
-    args: Any,
-    kwargs: Any,
-    loss_fn: LossFn | None,
-    autocast: Autocast | None,
-    hf_cache: bool,
-    timed: bool = True,
-) -> Profile:
+def _profile(model: nn.Module, args: Any, kwargs: Any, loss_fn: LossFn | None,
+             autocast: Autocast | None, hf_cache: bool, timed: bool = True) -> Profile:  # fmt: skip
     tensors = [*(t for _, t in iter_tensors((args, kwargs))), *model.parameters()]
     meta = any(t.device.type == "meta" for t in tensors)
     device = tensors[0].device if tensors else torch.device("cpu")

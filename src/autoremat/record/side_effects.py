@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from autoremat.core.classes import ATTR_PREFIX
 from autoremat.core.nested import iter_tensors, storage_key, version_of
@@ -231,6 +233,14 @@ def module_state(module: nn.Module, flat: _Flattener | None = None) -> State:
     return state | {_PARAMETER + n: [_Ref(p, version_of(p))] for n, p in params if p is not None}
 
 
+def _norm_hooks_set(module: nn.Module) -> set[str]:
+    """The attributes torch's hook-based ``spectral_norm`` and ``weight_norm`` set as each call
+    of ``module`` begins, from its parameters and buffers, never from their last value: a
+    recompute around it sets them again as its forward did (the buffers replayed)."""
+    hooks = module._forward_pre_hooks.values()
+    return {h.name for h in hooks if isinstance(h, (SpectralNorm, WeightNorm))}
+
+
 def _named(name: str) -> str:
     """An attribute of :func:`module_state` as a message names it."""
     plain = name.removeprefix(_PARAMETER)
@@ -379,7 +389,7 @@ class ReplayCheck:
                     end[at] = module_state(m, flats[call.objects])
                 name = _changed(before, end[at])
                 if name is not None and m is not call.module:  # (set around it? _reset)
-                    name = _changed(before, end[at], self._reset(m))
+                    name = _changed(before, end[at], self._reset(m) | _norm_hooks_set(m))
                 if name is not None:
                     self.replay[key] = self._state_reason(call, m, name)
                     break
@@ -434,7 +444,5 @@ class ReplayCheck:
         elif call.own_after is None or _changed(call.states[0][1], call.own_after) is not None:
             what = f"its forward changes the {_named(name)}"
         else:
-            what = (
-                f"its {_named(name)} is changed by another module's forward after its call"
-            )
+            what = f"its {_named(name)} is changed by another module's forward after its call"
         return f"{what} (a recompute would see the changed value)"

@@ -84,13 +84,9 @@ def modules_kept(model: nn.Module) -> Iterator[None]:
     Raises:
         RestoreError: a module could not be put back (all the others were).
     """
-    log = UndoLog()
-    log.keep(model.named_modules())
-    try:
+    with all_or_nothing() as log:  # (undone when the body raises, below when it returns)
+        log.keep(model.named_modules())
         yield
-    except BaseException as exc:
-        log.undo(exc)
-        raise
     log.undo()
 
 
