@@ -326,6 +326,22 @@ def test_failing_factory_is_one_line_with_status_2(tmp_path, capsys, source, fac
         assert word in err, (word, err)
 
 
+def test_a_measured_levels_plan_says_what_it_lowers(tmp_path, capsys):
+    """A levels plan predicts nothing (its split points are counted, not priced): measured,
+    it is set against the step without recompute, which it may not lower (a helper's CNN)."""
+    file = tmp_path / "tiny.py"
+    file.write_text(
+        "import torch\nfrom torch import nn\n\ndef build():\n    torch.manual_seed(0)\n"
+        "    model = nn.Sequential(nn.Sequential(nn.Linear(256, 256), nn.ReLU()), "
+        "nn.Linear(256, 1))\n    return model, (torch.randn(2, 256),), {}\n"
+    )
+    assert main(["plan", f"{file}:build", "--segments", "1", "--measure"]) == 0
+    assert re.search(r"without recompute [\d.]+ KiB: the plan lowers nothing\)",
+                     capsys.readouterr().out)  # fmt: skip
+    assert main(["plan", "gpt2", "--segments", "2", "--measure"]) == 0
+    assert re.search(r"\(without recompute [\d.]+ MiB: \d+% lower\)", capsys.readouterr().out)
+
+
 def test_factory_file_may_define_dataclasses(tmp_path, capsys):
     file = tmp_path / "with_dataclass.py"
     file.write_text(

@@ -68,10 +68,16 @@ def _measured(
     chosen: Plan, model: nn.Module, args: Any, kwargs: Any, loss_fn: Any, autocast: Any
 ) -> str:
     """The measured step peak of ``chosen`` applied to a copy of ``model`` (under
-    ``autocast``), against its prediction."""
+    ``autocast``), against its prediction; a levels plan's (it predicts none) against the
+    step's without recompute, which it may not lower (its split points are counted, not
+    priced)."""
     wrapped = chosen.apply(copy.deepcopy(model))
     peak = measure(wrapped, args, kwargs, loss_fn=loss_fn, autocast=autocast).peak
     line = f"measured peak {format_size(peak)}"
+    if chosen.strategy == "levels":
+        without = measure(model, args, kwargs, loss_fn=loss_fn, autocast=autocast).peak
+        lowered = f"{1 - peak / without:.0%} lower" if peak < without else "the plan lowers nothing"
+        line += f" (without recompute {format_size(without)}: {lowered})"
     if chosen.estimated_peak is not None:
         error = (chosen.estimated_peak - peak) / peak
         line += f" (predicted {format_size(chosen.estimated_peak)}, error {error:+.1%})"
