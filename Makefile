@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	@echo "Creating $(VENV) and installing autoremat with its pinned dev dependencies..."
+	@$(PYTHON) -c "import sys; sys.exit(sys.version_info < (3, 11) and 'the pinned dev dependencies need Python 3.11+: make PYTHON=python3.11 ...')"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --progress-bar on -e '.[dev]' 2>&1 | grep -E '^(Collecting|Successfully|ERROR)' || true
 	$(BIN)/python -c "import autoremat, torch, transformers, mypy"

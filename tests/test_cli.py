@@ -342,6 +342,14 @@ def test_a_measured_levels_plan_says_what_it_lowers(tmp_path, capsys):
     assert re.search(r"\(without recompute [\d.]+ MiB: \d+% lower\)", capsys.readouterr().out)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a device this torch has not")
+def test_fit_on_a_device_this_torch_has_not_is_one_line(capsys):
+    """Before: torch's AssertionError and its traceback, status 1 (the guide's own example)."""
+    assert main(["fit", "mlp", "--device", "cuda", "--device-memory", "10MiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoremat: error: --device cuda: ") and "Traceback" not in err
+
+
 def test_factory_file_may_define_dataclasses(tmp_path, capsys):
     file = tmp_path / "with_dataclass.py"
     file.write_text(

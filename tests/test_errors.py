@@ -100,6 +100,21 @@ CASES: dict[str, tuple[Callable[[nn.Module], object], type, str]] = {
         TypeError,
         r"sharding must be an autoremat.Sharding, such as Sharding\('fsdp2', world_size=8\)",
     ),
+    "an objective for the walk": (  # (the levels walk runs no step: these were ignored)
+        lambda m: autoremat.plan(m, (x(),), segments=2, objective="flops"),
+        ValueError,
+        r"objective= applies to the steps budget= and device_memory= plans run; segments=",
+    ),
+    "step settings with no aim": (
+        lambda m: autoremat.plan(m, (x(),), selective=False, autocast=torch.bfloat16),
+        ValueError,
+        r"selective= and autocast= apply to the steps .* the aim when none is given\) runs none",
+    ),
+    "an inductor config without compile": (
+        lambda m: autoremat.plan(m, (x(),), budget="50%", inductor_config={"x": 1}),
+        ValueError,
+        r"inductor_config= patches the compiled step: pass compile=True too",
+    ),
     "compile without a budget": (
         lambda m: autoremat.plan(m, (x(),), segments=2, compile=True),
         ValueError,

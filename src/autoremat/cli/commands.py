@@ -157,7 +157,10 @@ def _fit_command(ns: argparse.Namespace) -> int:
     _writable_outputs(ns)
     model, args, kwargs = load_target(ns.target)
     if ns.device is not None:
-        model.to(ns.device)
+        try:
+            model.to(ns.device)
+        except (AssertionError, RuntimeError) as exc:  # (no CUDA in this torch, no such device)
+            raise CliError(f"--device {ns.device}: {str(exc).splitlines()[0]}") from None
     found = fit(
         model,
         lambda b: scale_batch(args, kwargs, b, ns.batch_dim),

@@ -72,6 +72,8 @@ def plan(
         TypeError: ``model`` not an ``nn.Module``; ``sharding`` or ``compile`` of a wrong type.
     """
     _check(budget, device_memory, segments, optimizer, reserve, sharding, compile, autocast)
+    _check_walk(budget is None and device_memory is None, objective, selective, autocast,
+                inductor_config if not compile else None)  # fmt: skip
     how: dict[str, Any] = {"loss_fn": loss_fn, "selective": selective, "objective": objective}
     if compile:
         backend = "inductor" if compile is True else str(compile)
@@ -138,6 +140,23 @@ def _check(budget: Any, device_memory: Any, segments: Any, optimizer: Any, reser
             "compile= does not plan under autocast yet: plan the eager step with autocast= "
             "and measure the compiled one with autoremat.measure(torch.compile(model), ...)"
         )
+
+
+def _check_walk(walk: bool, objective: str, selective: bool, autocast: Any,
+                inductor_config: Any) -> None:  # fmt: skip
+    """Raise ValueError for settings that would be ignored: those of a step, for the levels
+    walk (``walk``: no budget nor device memory), which runs none; ``inductor_config``
+    without ``compile=`` (given here only then)."""
+    given = [n for n, v in (("objective", objective != "time"), ("selective", not selective),
+                            ("autocast", autocast is not None)) if v]  # fmt: skip
+    if walk and given:
+        raise ValueError(
+            f"{'= and '.join(given)}= appl{'ies' if len(given) == 1 else 'y'} to the steps "
+            f"budget= and device_memory= plans run; segments= (the method's level-order walk, "
+            f"the aim when none is given) runs none"
+        )
+    if inductor_config is not None:
+        raise ValueError("inductor_config= patches the compiled step: pass compile=True too")
 
 
 def _check_compile(compile: Any) -> None:
