@@ -23,7 +23,7 @@ _depth = 0
 
 def is_measuring() -> bool:
     """True while autoremat runs a step of the model for ``plan``, ``lowest_budget``,
-    ``fit``, ``plan_for_device``, ``measure``, ``profile`` and their kin (module docstring);
+    ``fit``, ``plan(device_memory=...)``, ``measure``, ``profile`` and their kin (module docstring);
     False in the user's own steps, recomputes included."""
     return _depth > 0
 
