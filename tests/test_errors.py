@@ -37,6 +37,11 @@ class Net(nn.Module):
         return self.head(self.blocks(x))
 
 
+def _under_inference_mode(call: Callable[[], object]) -> object:
+    with torch.inference_mode():
+        return call()
+
+
 def x() -> torch.Tensor:
     return torch.randn(32, 16)
 
@@ -99,6 +104,11 @@ CASES: dict[str, tuple[Callable[[nn.Module], object], type, str]] = {
         lambda m: autoremat.plan(m, (x(),), device_memory="1GiB", sharding="fsdp2"),
         TypeError,
         r"sharding must be an autoremat.Sharding, such as Sharding\('fsdp2', world_size=8\)",
+    ),
+    "a plan under inference mode": (  # (it named torch.no_grad, under which plan works)
+        lambda m: _under_inference_mode(lambda: autoremat.plan(m, (x(),), budget="50%")),
+        ValueError,
+        r"the step ran under torch.inference_mode\(\), where no graph is recorded",
     ),
     "an objective for the walk": (  # (the levels walk runs no step: these were ignored)
         lambda m: autoremat.plan(m, (x(),), segments=2, objective="flops"),

@@ -223,7 +223,8 @@ class _Recorder:
     ) -> None:
         self.root = _call_of(tree, 0)
         self.stack: list[Node] = [self.root]
-        self.memory = LiveMemory()
+        cpu = next((t.device.type == "cpu" for t in (*model.parameters(), *inputs)), True)
+        self.memory = LiveMemory(rng_states=cpu)  # (the model's own checkpoints' RNG states)
         self.parent: dict[Node, Node | None] = {self.root: None}
         # grad_fns whose post-hook marks when they have run, by id
         self.hooked: dict[int, Any] = {}

@@ -100,11 +100,11 @@ def check_loss(loss: Any) -> torch.Tensor:
             f"number: reduce it (e.g. .sum() or .mean()) in loss_fn"
         )
     if not loss.requires_grad:
-        raise ValueError(
-            "the loss does not require grad: no parameter or input it depends on requires grad "
-            "(all frozen? the model run under torch.no_grad or with detached outputs?), so there "
-            "is no backward pass to measure"
-        )
+        raise ValueError("the loss does not require grad: " + (
+            "the step ran under torch.inference_mode(), where no graph is recorded; plan and "
+            "measure outside it" if torch.is_inference_mode_enabled() else "no parameter or "
+            "input it depends on requires grad (all frozen? the model run under torch.no_grad "
+            "or with detached outputs?), so there is no backward pass to measure"))  # fmt: skip
     return loss
 
 
