@@ -378,6 +378,49 @@ def test_a_forward_that_writes_a_parameter_in_place_is_left_out(how) -> None:
     assert breaks(model, ["mid.0"], (x_in(),))
 
 
+class ReadsShared(nn.Module):
+    """Scales its output by ``shared``, a buffer another module changes later."""
+
+    def __init__(self, shared: torch.Tensor) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(WIDTH, 64), nn.Linear(64, WIDTH)
+        self.register_buffer("shared", shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))) * self.shared.clone()  # (not saved itself)
+
+
+class UpdatesShared(nn.Module):
+    def __init__(self, shared: torch.Tensor) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("shared", shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        with torch.no_grad():
+            self.shared.mul_(0.9).add_(0.1 * y.abs().mean())
+        return y
+
+
+@pytest.mark.parametrize("how", STRATEGIES)
+def test_a_buffer_another_module_changes_after_the_call_is_left_out(how) -> None:
+    """One tensor, a buffer of both: the reader's recompute would read what the updater wrote
+    after its call (before: planned, nothing left out, gradients off; the wrap replays only
+    the buffers a module's own forward changes). Around both, the sequence is recomputed
+    exactly: the change happens inside its call."""
+    shared = torch.ones(WIDTH)
+    model = Around(nn.Sequential(ReadsShared(shared), UpdatesShared(shared), mlp()))
+    tree = autoremat.build_tree(model, (x_in(),))
+    assert "its buffer 'shared' is changed after its call" in tree.find("mid.0").replay_reason
+    assert tree.find("mid").recompute_reason is None
+    plan, reference = planned(model, (x_in(),), **how)
+    assert "mid.0" not in plan.modules
+    same_two_steps(reference, model, (x_in(),))
+    autoremat.remove(model)
+    assert breaks(model, ["mid.0"], (x_in(),)) and not breaks(model, ["mid"], (x_in(),))
+
+
 class DrawsFrom(nn.Module):
     """Adds noise drawn from the generator its caller passes (``gen``), counting the draws
     made while recomputing."""

@@ -136,13 +136,9 @@ def plan_from_profile(
     return _made(model, "budget", prof.module_tree, budget_strategy.STRATEGY.choose(prof, request))
 
 
-def planned(
-    model: nn.Module,
-    planner: budget_strategy.Planner,
-    limit: int,
-    judge: Judge | None = None,
-    too_low: Callable[[], Exception] | None = None,
-) -> Plan:
+def planned(model: nn.Module, planner: budget_strategy.Planner, limit: int,
+            judge: Judge | None = None, too_low: Callable[[], Exception] | None = None,
+            ) -> Plan:  # fmt: skip
     """The cheapest plan ``planner`` finds for ``model`` whose step peaks at most ``limit``,
     or that ``judge`` says fits (:meth:`~autoremat.planning.strategies.budget.Planner.cheapest`:
     a whole step on a device, a rank's), its budget ``limit``.

@@ -202,15 +202,9 @@ def solve(
 class _Solver:
     """The dynamic programme of :func:`solve` (module docstring) for one budget."""
 
-    def __init__(
-        self,
-        root: Item,
-        points: Sequence[tuple[int, int]],
-        budget: int,
-        forward: Sequence[tuple[int, int]],
-        memo: dict[int, tuple[int, int]],
-        priced: bool = True,
-    ) -> None:
+    def __init__(self, root: Item, points: Sequence[tuple[int, int]], budget: int,
+                 forward: Sequence[tuple[int, int]], memo: dict[int, tuple[int, int]],
+                 priced: bool = True) -> None:  # fmt: skip
         self.budget, self.memo, self.priced = budget, memo, priced  # (not priced: costs 0)
         self.top = max((p for p, _ in (*points, *forward)), default=0)
         # the most bytes live at each point: in the forward, after it, and either (NONE: no
@@ -305,11 +299,8 @@ class _Solver:
         return _merge([inside, *taken], self.grid, self.phased)
 
 
-def walk_peak(
-    chosen: Sequence[Item],
-    points: Sequence[tuple[int, int]],
-    forward: Sequence[tuple[int, int]] = (),
-) -> int:
+def walk_peak(chosen: Sequence[Item], points: Sequence[tuple[int, int]],
+              forward: Sequence[tuple[int, int]] = ()) -> int:  # fmt: skip
     """The peak the walk prices for recomputing ``chosen`` (never one inside another): what
     :func:`solve` keeps at most its budget (module docstring); the profiled peak for none."""
     after = [(p, b + sum(s.held for s in chosen if s.start <= p <= s.end)) for p, b in points]

@@ -135,14 +135,8 @@ class OpCosts(TorchDispatchMode):
     the new storages it wrote to the running module, and apart, for each way of selective
     recompute, those of the ops whose outputs it keeps."""
 
-    def __init__(
-        self,
-        stack: list[Node],
-        own: dict[Node, OwnOps],
-        clock: Callable[[], int],
-        preexisting: frozenset[int],
-        cast_dtype: torch.dtype | None,
-    ) -> None:
+    def __init__(self, stack: list[Node], own: dict[Node, OwnOps], clock: Callable[[], int],
+                 preexisting: frozenset[int], cast_dtype: torch.dtype | None) -> None:  # fmt: skip
         super().__init__()
         self.stack = stack
         self.own = own

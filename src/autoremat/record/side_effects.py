@@ -241,6 +241,11 @@ def _norm_hooks_set(module: nn.Module) -> set[str]:
     return {h.name for h in hooks if isinstance(h, (SpectralNorm, WeightNorm))}
 
 
+def _buffer_marks(module: nn.Module) -> dict[str, tuple[int, int | None]]:
+    """The buffers of ``module`` and the modules inside it, by name: identity and version."""
+    return {n: (id(b), version_of(b)) for n, b in module.named_buffers() if b is not None}
+
+
 def _named(name: str) -> str:
     """An attribute of :func:`module_state` as a message names it."""
     plain = name.removeprefix(_PARAMETER)
@@ -300,6 +305,8 @@ class _Call:
     own_after: State | None = None
     aliases: dict[str, str] = field(default_factory=dict)  # input where -> output where
     own_start: State = field(default_factory=dict)  # its own, objects by identity
+    # the buffers of the modules inside it, by name: (identity, version) as it began, returned
+    buffers: tuple[dict[str, Any], dict[str, Any]] = field(default_factory=lambda: ({}, {}))
 
 
 def _inputs(call: _Call, args: Any, kwargs: Any) -> list[_Input]:
@@ -351,6 +358,7 @@ class ReplayCheck:
         # its own attributes, objects by identity: an inner call's quick look has them already
         own = module_state(module, _Flattener(objects=False)) if full else states[0][1]
         call = _Call(module, states, objects=full, own_start=own)
+        call.buffers[0].update(_buffer_marks(module))
         call.inputs = _inputs(call, args, kwargs)
         if self.running:
             self.running[-1].held.extend(call.inputs)
@@ -362,6 +370,7 @@ class ReplayCheck:
             return  # a call whose pre-hook did not run (hooks added during the forward)
         call = self.running.pop()
         call.own_after = module_state(module, _Flattener(objects=call.objects))  # (as before)
+        call.buffers[1].update(_buffer_marks(module))
         outputs = {storage_key(t): w for w, t in iter_tensors(out, "out")}
         for arg in call.inputs:
             if arg.storage is not None and arg.storage in outputs:
@@ -397,6 +406,19 @@ class ReplayCheck:
                 if arg.changed():
                     self._after(arg)
                 arg.tensor = None
+            self._buffers_after(call)
+
+    def _buffers_after(self, call: _Call) -> None:
+        """Leave out a module with a buffer that its call did not change but something did
+        after it (another module sharing it): the wrap replays only what its forward changed."""
+        begun, returned = call.buffers
+        now = _buffer_marks(call.module)
+        moved = [n for n, mark in returned.items() if begun.get(n) == mark != now.get(n)]
+        if moved and id(call.module) not in self.replay:
+            self.replay[id(call.module)] = (
+                f"its buffer {moved[0]!r} is changed after its call by another module's forward "
+                f"(a recompute would read the changed value)"
+            )
 
     def _reset(self, module: nn.Module) -> set[str]:
         """The attributes of ``module`` that something sets before each of its calls, to the

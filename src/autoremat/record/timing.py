@@ -79,13 +79,9 @@ def time_forward(
     return best_seconds, best_ops
 
 
-def _one_timed_forward(
-    model: nn.Module,
-    args: Any,
-    kwargs: dict[str, Any] | None,
-    nodes: dict[int, tuple[str, nn.Module, int]],
-    cuda: bool,
-) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+def _one_timed_forward(model: nn.Module, args: Any, kwargs: dict[str, Any] | None,
+                       nodes: dict[int, tuple[str, nn.Module, int]], cuda: bool,
+                       ) -> tuple[dict[str, float], dict[tuple[str, str], float]]:  # fmt: skip
     starts: list[float] = []  # when each call on the stack (but its root) began
     seconds: dict[str, float] = defaultdict(float)
     ops: dict[tuple[str, str], float] = defaultdict(float)
