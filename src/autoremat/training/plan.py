@@ -71,9 +71,8 @@ def plan(
             malformed budget or size; no such ``compile`` backend; as ``activation_plan``.
         TypeError: ``model`` not an ``nn.Module``; ``sharding`` or ``compile`` of a wrong type.
     """
-    _check(budget, device_memory, segments, optimizer, reserve, sharding, compile, autocast)
-    _check_walk(budget is None and device_memory is None, objective, selective, autocast,
-                inductor_config if not compile else None)  # fmt: skip
+    _check(budget, device_memory, segments, optimizer, reserve, sharding, compile, autocast,
+           objective, selective, inductor_config)  # fmt: skip
     how: dict[str, Any] = {"loss_fn": loss_fn, "selective": selective, "objective": objective}
     if compile:
         backend = "inductor" if compile is True else str(compile)
@@ -112,8 +111,10 @@ def eval_mode_warning(model: nn.Module, exceeded: str) -> str:
 
 
 def _check(budget: Any, device_memory: Any, segments: Any, optimizer: Any, reserve: Any,
-           sharding: Any, compile: Any, autocast: Any) -> None:  # fmt: skip
-    """Raise ValueError for a request :func:`plan` cannot answer as asked."""
+           sharding: Any, compile: Any, autocast: Any, objective: str, selective: bool,
+           inductor_config: Any) -> None:  # fmt: skip
+    """Raise ValueError for a request :func:`plan` cannot answer as asked: two aims, or a
+    setting the aim does not take (it would be ignored)."""
     aims = [n for n, v in (("budget", budget), ("device_memory", device_memory),
                            ("segments", segments)) if v is not None]  # fmt: skip
     if len(aims) > 1:
@@ -129,6 +130,16 @@ def _check(budget: Any, device_memory: Any, segments: Any, optimizer: Any, reser
             f"{named} count{'s' * (len(device_only) == 1)} in the whole step on a device: pass "
             f"device_memory=... too (a budget bounds the step's activations only)"
         )
+    step_only = [n for n, v in (("objective", objective != "time"), ("selective", not selective),
+                                ("autocast", autocast is not None)) if v]  # fmt: skip
+    if step_only and budget is None and device_memory is None:  # (the levels walk runs none)
+        raise ValueError(
+            f"{'= and '.join(step_only)}= appl{'ies' if len(step_only) == 1 else 'y'} to the "
+            f"steps budget= and device_memory= plans run; segments= (the method's level-order "
+            f"walk, the aim when none is given) runs none"
+        )
+    if inductor_config is not None and not compile:
+        raise ValueError("inductor_config= patches the compiled step: pass compile=True too")
     _check_compile(compile)
     if compile and budget is None:
         raise ValueError(
@@ -140,23 +151,6 @@ def _check(budget: Any, device_memory: Any, segments: Any, optimizer: Any, reser
             "compile= does not plan under autocast yet: plan the eager step with autocast= "
             "and measure the compiled one with autoremat.measure(torch.compile(model), ...)"
         )
-
-
-def _check_walk(walk: bool, objective: str, selective: bool, autocast: Any,
-                inductor_config: Any) -> None:  # fmt: skip
-    """Raise ValueError for settings that would be ignored: those of a step, for the levels
-    walk (``walk``: no budget nor device memory), which runs none; ``inductor_config``
-    without ``compile=`` (given here only then)."""
-    given = [n for n, v in (("objective", objective != "time"), ("selective", not selective),
-                            ("autocast", autocast is not None)) if v]  # fmt: skip
-    if walk and given:
-        raise ValueError(
-            f"{'= and '.join(given)}= appl{'ies' if len(given) == 1 else 'y'} to the steps "
-            f"budget= and device_memory= plans run; segments= (the method's level-order walk, "
-            f"the aim when none is given) runs none"
-        )
-    if inductor_config is not None:
-        raise ValueError("inductor_config= patches the compiled step: pass compile=True too")
 
 
 def _check_compile(compile: Any) -> None:
