@@ -305,8 +305,9 @@ class _Call:
     own_after: State | None = None
     aliases: dict[str, str] = field(default_factory=dict)  # input where -> output where
     own_start: State = field(default_factory=dict)  # its own, objects by identity
-    # the buffers of the modules inside it, by name: (identity, version) as it began, returned
-    buffers: tuple[dict[str, Any], dict[str, Any]] = field(default_factory=lambda: ({}, {}))
+    # the buffers of the modules inside it (_buffer_marks) as it began and as it returned
+    buffers_begun: dict[str, Any] = field(default_factory=dict)
+    buffers_returned: dict[str, Any] = field(default_factory=dict)
 
 
 def _inputs(call: _Call, args: Any, kwargs: Any) -> list[_Input]:
@@ -358,7 +359,7 @@ class ReplayCheck:
         # its own attributes, objects by identity: an inner call's quick look has them already
         own = module_state(module, _Flattener(objects=False)) if full else states[0][1]
         call = _Call(module, states, objects=full, own_start=own)
-        call.buffers[0].update(_buffer_marks(module))
+        call.buffers_begun = _buffer_marks(module)
         call.inputs = _inputs(call, args, kwargs)
         if self.running:
             self.running[-1].held.extend(call.inputs)
@@ -370,7 +371,7 @@ class ReplayCheck:
             return  # a call whose pre-hook did not run (hooks added during the forward)
         call = self.running.pop()
         call.own_after = module_state(module, _Flattener(objects=call.objects))  # (as before)
-        call.buffers[1].update(_buffer_marks(module))
+        call.buffers_returned = _buffer_marks(module)
         outputs = {storage_key(t): w for w, t in iter_tensors(out, "out")}
         for arg in call.inputs:
             if arg.storage is not None and arg.storage in outputs:
@@ -389,6 +390,7 @@ class ReplayCheck:
     def finish(self) -> None:
         """Compare every call's states and inputs with the end of the forward."""
         end: dict[tuple[int, bool], State] = {}
+        marks: dict[int, dict[str, Any]] = {}  # each module's buffers now, found once
         flats = {True: _Flattener(), False: _Flattener(objects=False)}
         for call in self.calls:
             key = id(call.module)
@@ -406,13 +408,14 @@ class ReplayCheck:
                 if arg.changed():
                     self._after(arg)
                 arg.tensor = None
-            self._buffers_after(call)
+            if key not in marks:
+                marks[key] = _buffer_marks(call.module)
+            self._buffers_after(call, marks[key])
 
-    def _buffers_after(self, call: _Call) -> None:
-        """Leave out a module with a buffer that its call did not change but something did
-        after it (another module sharing it): the wrap replays only what its forward changed."""
-        begun, returned = call.buffers
-        now = _buffer_marks(call.module)
+    def _buffers_after(self, call: _Call, now: dict[str, Any]) -> None:
+        """Leave out a module with a buffer its call did not change but another module did after
+        it (``now``: as the forward ended): the wrap replays only what its forward changed."""
+        begun, returned = call.buffers_begun, call.buffers_returned
         moved = [n for n, mark in returned.items() if begun.get(n) == mark != now.get(n)]
         if moved and id(call.module) not in self.replay:
             self.replay[id(call.module)] = (
