@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostRng", "generators_kept", "get_host_rng", "passed_generators", "set_generators",
-           "set_host_rng"]  # fmt: skip
+__all__ = ["HostRng", "generator_state", "generators_kept", "get_host_rng", "passed_generators",
+           "set_generators", "set_host_rng"]  # fmt: skip
 
 # (Python's state, NumPy's state or None when NumPy was not imported)
 HostRng = tuple[Any, Any]
@@ -36,40 +36,45 @@ def set_host_rng(states: HostRng) -> None:
         numpy.random.set_state(numpy_state)
 
 
+def generator_state(value: Any) -> Any:
+    """The state of a random generator (torch's ``Generator``, Python's ``random.Random``,
+    NumPy's ``Generator``, ``RandomState`` or bit generator) as :func:`set_generators` takes
+    it back; ``None`` for anything else."""
+    if isinstance(value, torch.Generator):
+        return value.get_state()
+    if isinstance(value, random.Random):
+        return value.getstate()
+    if type(value).__module__.startswith("numpy.random"):
+        if hasattr(value, "bit_generator"):
+            return value.bit_generator.state
+        if hasattr(value, "get_state"):
+            return value.get_state(legacy=False)
+        if hasattr(value, "random_raw"):  # (a bit generator; not a SeedSequence, which is fixed)
+            return value.state
+    return None
+
+
 def passed_generators(args: Iterable[Any], kwargs: dict[str, Any]) -> list[tuple[Any, Any]]:
-    """``(generator, its state)`` for each random generator passed to a call, positionally or
-    by keyword: torch's ``Generator``, Python's ``random.Random``, NumPy's ``Generator`` and
-    ``RandomState`` (a forward that draws from one it is given: :mod:`autoremat.wrap.replay`)."""
-    found = {id(v): v for v in (*args, *kwargs.values()) if _kind(v)}
-    return [(g, _STATES[_kind(g)][0](g)) for g in found.values()]
+    """``(generator, its state)`` for each random generator (:func:`generator_state`) passed
+    to a call, positionally or by keyword (a forward that draws from one it is given:
+    :mod:`autoremat.wrap.replay`)."""
+    found = {id(v): v for v in (*args, *kwargs.values())}
+    return [(g, state) for g in found.values() if (state := generator_state(g)) is not None]
 
 
 def set_generators(states: Iterable[tuple[Any, Any]]) -> None:
     """Put each generator back in its state, as :func:`passed_generators` gave them."""
     for g, state in states:
-        _STATES[_kind(g)][1](g, state)
-
-
-# a generator's kind -> how its state is read and set
-_STATES: dict[str, tuple[Any, Any]] = {
-    "torch": (torch.Generator.get_state, torch.Generator.set_state),
-    "python": (random.Random.getstate, random.Random.setstate),
-    "numpy": (lambda g: g.bit_generator.state, lambda g, s: setattr(g.bit_generator, "state", s)),
-    "numpy legacy": (lambda g: g.get_state(), lambda g, s: g.set_state(s)),
-}
-
-
-def _kind(value: Any) -> str:
-    """Which of :data:`_STATES` ``value`` is, ``""`` for no generator."""
-    if isinstance(value, torch.Generator):
-        return "torch"
-    if isinstance(value, random.Random):
-        return "python"
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(value, numpy.random.Generator):
-        return "numpy"
-    legacy = numpy is not None and isinstance(value, numpy.random.RandomState)
-    return "numpy legacy" if legacy else ""
+        if isinstance(g, torch.Generator):
+            g.set_state(state)
+        elif isinstance(g, random.Random):
+            g.setstate(state)
+        elif hasattr(g, "bit_generator"):
+            g.bit_generator.state = state
+        elif hasattr(g, "set_state"):
+            g.set_state(state)
+        else:
+            g.state = state
 
 
 @contextlib.contextmanager

@@ -44,7 +44,6 @@ import enum
 import functools
 import itertools
 import numbers
-import random
 import types
 import weakref
 from collections.abc import Collection
@@ -57,6 +56,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from autoremat.core.classes import ATTR_PREFIX
+from autoremat.core.host_rng import generator_state
 from autoremat.core.nested import iter_tensors, storage_key, version_of
 
 __all__ = ["MAX_CONTAINER_DEPTH", "MAX_TOKENS", "ReplayCheck", "module_state"]
@@ -115,20 +115,10 @@ def _plain(value: Any) -> Any:
 
 
 def _generator_state(value: Any) -> Any:
-    """The state of a random generator (``torch.Generator``, ``random.Random``, NumPy's
-    ``Generator``, ``RandomState`` or bit generator), or ``None`` for anything else."""
-    if isinstance(value, torch.Generator):
-        return tuple(value.get_state().tolist())
-    if isinstance(value, random.Random):
-        return value.getstate()
-    if type(value).__module__.startswith("numpy.random"):
-        if hasattr(value, "bit_generator"):
-            return _plain(value.bit_generator.state)
-        if hasattr(value, "get_state"):
-            return _plain(value.get_state(legacy=False))
-        if hasattr(value, "state"):
-            return _plain(value.state)
-    return None
+    """The state of a random generator (:func:`autoremat.core.host_rng.generator_state`) as a
+    comparable value, or ``None`` for anything else."""
+    state = generator_state(value)
+    return tuple(state.tolist()) if isinstance(state, torch.Tensor) else _plain(state)
 
 
 _KINDS: dict[type, str] = {}  # a value's type -> how it is flattened
