@@ -20,6 +20,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from autoremat.core.words import first_few
+
 __all__ = ["SWITCHES", "switched_off", "switched_on", "turned_off_message"]
 
 # The attributes that switch a module's own checkpointing on (transformers and diffusers; timm).
@@ -56,12 +58,11 @@ def switched_off(model: nn.Module) -> Iterator[list[str]]:
 def turned_off_message(model: nn.Module, paths: list[str], how: str) -> str:
     """One warning for a model whose own checkpointing autoremat turned off (``how``: for the
     profile, or while the plan is applied); BatchNorm named only for a model that has one."""
-    shown = ", ".join(repr(p or "(root)") for p in paths[:3])
-    more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    shown = first_few([repr(p or "(root)") for p in paths[:3]], 3, len(paths))
     norms = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     return (
         f"{type(model).__name__} checkpoints itself (its own activation checkpointing is on in "
-        f"{len(paths)} module(s): {shown}{more}); autoremat turned it off {how}: the plan's "
+        f"{len(paths)} module(s): {shown}); autoremat turned it off {how}: the plan's "
         f"recompute replaces it (the same gradients"
         + ("; BatchNorm statistics move once per step)" if norms else ")")
     )

@@ -24,6 +24,7 @@ from autoremat.core.entries import covered, module_of, parse_call, parse_run, ru
 from autoremat.core.nested import parameter_bytes
 from autoremat.core.selective import FULL, WAYS, ops_on
 from autoremat.core.sizes import format_size
+from autoremat.core.words import first_few
 from autoremat.planning.choice import Choice
 from autoremat.planning.fingerprint import fingerprint, structure
 from autoremat.planning.plan_json import (
@@ -127,9 +128,8 @@ class Plan:
         new = sorted(set(now) - set(self.structure))
 
         def names(lines: list[str], total: int | None = None) -> str:
-            total = len(lines) if total is None else total
-            shown = ", ".join(repr(x if x[:1] != " " else "(root)" + x) for x in lines[:5])
-            return shown + (f" and {total - 5} more" if total > 5 else "")
+            shown = [repr(x if x[:1] != " " else "(root)" + x) for x in lines[:5]]
+            return first_few(shown, 5, len(lines) if total is None else total)
 
         parts = [
             ("the plan's modules {} no longer exist", missing, count),

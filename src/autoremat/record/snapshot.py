@@ -40,6 +40,7 @@ from torch.nn.parameter import is_lazy
 
 from autoremat.core.host_rng import get_host_rng, set_host_rng
 from autoremat.core.nested import version_of
+from autoremat.core.words import first_few
 
 __all__ = ["RestoreError", "UndoLog", "all_or_nothing", "fsdp_classes", "modules_kept", "preserved"]
 
@@ -183,11 +184,11 @@ class _Failures:
         exception, so that its traceback is shown) or else by the first failure."""
         if not self.errors:
             return
-        parts = "; ".join(f"{what} ({type(e).__name__}: {e})" for what, e in self.errors[:5])
-        more = f" and {len(self.errors) - 5} more" if len(self.errors) > 5 else ""
+        parts = first_few([f"{what} ({type(e).__name__}: {e})" for what, e in self.errors[:5]],
+                          5, len(self.errors), "; ")  # fmt: skip
         after = "" if during is None else f" after the call failed ({type(during).__name__})"
         raise RestoreError(
-            f"autoremat could not put the model back as it was{after}: {parts}{more}. "
+            f"autoremat could not put the model back as it was{after}: {parts}. "
             f"Everything else was put back; the parts named are not as they were: reload the "
             f"model's state_dict or rebuild it"
         ) from (self.errors[0][1] if during is None else during)

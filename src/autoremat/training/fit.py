@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map
 
 from autoremat.core.devices import model_device
 from autoremat.core.sizes import format_size
+from autoremat.core.words import first_few
 from autoremat.planning.plan import plan_from_profile
 from autoremat.planning.plans import Plan
 from autoremat.planning.strategies.budget import BudgetTooLow
@@ -121,9 +122,7 @@ class Fit:
 
     def __str__(self) -> str:
         entries = self.plan.modules
-        named = ", ".join(p or "(root)" for p in entries[:3]) + (
-            f" and {len(entries) - 3} more" if len(entries) > 3 else ""
-        )
+        named = first_few([p or "(root)" for p in entries[:3]], 3, len(entries))
         lines = [
             f"batch {self.batch} fits {self.device}; the largest without recompute: "
             f"{self.largest_without_recompute} ({_AIMS[self.objective]})",

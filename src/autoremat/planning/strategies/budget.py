@@ -17,6 +17,7 @@ from typing import Any
 from autoremat.core.entries import parse_call
 from autoremat.core.selective import WAYS
 from autoremat.core.sizes import Budget, format_size, percent_hint
+from autoremat.core.words import first_few
 from autoremat.costs.profile import Profile
 from autoremat.planning.choice import OBJECTIVES, Choice
 from autoremat.planning.planning_tree import planning_tree, recompute_seconds
@@ -270,11 +271,10 @@ def _left_out_hint(skipped: dict[str, str]) -> str:
     out of the plan: they may be why the budget cannot be met."""
     if not skipped:
         return ""
-    names = ", ".join(repr(p or "(root)") for p in list(skipped)[:3])
-    more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+    names = first_few([repr(p or "(root)") for p in list(skipped)[:3]], 3, len(skipped))
     return (
         f" {len(skipped)} module(s) that would have freed memory cannot be recomputed and were "
-        f"left out ({names}{more}; their reasons are in the plan's left_out and logged)."
+        f"left out ({names}; their reasons are in the plan's left_out and logged)."
     )
 
 
